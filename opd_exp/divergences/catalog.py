@@ -1,0 +1,315 @@
+"""The divergences, written once per token.
+
+Notation (per response position): s = log S(v), t = log T(v) for a vocabulary entry v;
+every divergence here is a sum over the vocabulary D = sum_v phi(s_v, t_v).
+Each class states, in closed form:
+
+* ``pointwise(s, t)``       phi, the contribution of one vocabulary entry to D;
+* ``pointwise_grad(s, t)``  d phi / d s, used by the exact full-vocab backward;
+* ``token_score(s, t)``     d phi / d S = pointwise_grad / S, the exact REINFORCE score:
+                            E_{y~S}[score(y) grad log S(y)] = grad D;
+* ``token_cost(s, t)``      the score minus a constant baseline (the familiar forms, e.g.
+                            s - t for rkl); E_{y~S}[grad log S(y)] = 0, so the gradient is
+                            the same;
+* ``token_value(s, t)``     an unbiased estimate of D from one sample y ~ S.
+
+s and t may be -inf (a token with zero probability); 0 * log 0 terms are taken as 0.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import ClassVar
+
+import torch
+
+from .full import full_divergence
+
+_NEG_INF = float("-inf")
+
+
+def _zero_where(cond: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    # 0 * log 0 = 0: entries with zero mass contribute nothing (avoids 0 * inf = NaN).
+    return torch.where(cond, torch.zeros((), dtype=x.dtype, device=x.device), x)
+
+
+class Divergence(ABC):
+    """A divergence D(S, T) between student S and teacher T over the vocabulary."""
+
+    name: ClassVar[str]
+    baseline: ClassVar[float] = 0.0  # token_cost = token_score - baseline
+
+    def params(self) -> dict[str, float]:
+        return {}
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v}" for k, v in self.params().items())
+        return f"{type(self).__name__}({args})"
+
+    # -- per vocabulary entry -------------------------------------------------
+    @abstractmethod
+    def pointwise(self, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """phi(s, t): the contribution of one vocabulary entry, D = sum_v phi."""
+
+    @abstractmethod
+    def pointwise_grad(self, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """d phi / d s (s = log S of the entry, taken as a free coordinate)."""
+
+    # -- per sampled token y ~ S ----------------------------------------------
+    @abstractmethod
+    def token_score(self, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """d phi / d S: the exact REINFORCE score of a sampled token."""
+
+    def token_cost(self, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Per-token REINFORCE cost; advantage = -kl_coef * cost."""
+        return self.token_score(s, t) - self.baseline
+
+    def token_value(self, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Unbiased estimate of D from y ~ S: phi(y) / S(y)."""
+        return self.pointwise_over_prob(s, t)
+
+    @abstractmethod
+    def pointwise_over_prob(self, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """phi(s, t) / S in closed form (the importance-weighted single-entry term)."""
+
+    def clipped(self, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """Where the cost was clipped (only fkl with ``clip`` set clips)."""
+        return torch.zeros(torch.broadcast_shapes(s.shape, t.shape), dtype=torch.bool, device=s.device)
+
+    # -- exact over the vocabulary --------------------------------------------
+    def full(
+        self,
+        student_logits: torch.Tensor,
+        teacher_logits: torch.Tensor,
+        *,
+        temperature: float = 1.0,
+        mask: torch.Tensor | None = None,
+        chunk_size: int | None = None,
+    ) -> torch.Tensor:
+        """Exact D per position, ``[..., V] -> [...]``, differentiable w.r.t. the student.
+
+        Both logit tensors are divided by ``temperature`` before the softmax. Positions
+        where ``mask`` is false give 0 (and no gradient). Works through positions in
+        chunks, producing the gradient chunk by chunk (see ``full.py``).
+        """
+        return full_divergence(self, student_logits, teacher_logits, temperature, mask, chunk_size)
+
+
+class ReverseKL(Divergence):
+    """KL(S || T) = sum_v S_v (s_v - t_v)."""
+
+    name = "rkl"
+    baseline = 1.0
+
+    def pointwise(self, s, t):
+        return _zero_where(s == _NEG_INF, s.exp() * (s - t))
+
+    def pointwise_grad(self, s, t):
+        return _zero_where(s == _NEG_INF, s.exp() * (s - t + 1.0))
+
+    def token_score(self, s, t):
+        return s - t + 1.0
+
+    def pointwise_over_prob(self, s, t):
+        return s - t
+
+
+class ForwardKL(Divergence):
+    """KL(T || S) = sum_v T_v (t_v - s_v).
+
+    Its score is -r = -T(y)/S(y), an unbounded importance weight; ``clip`` (off unless
+    given) caps r at ``clip`` and ``clipped`` reports where it bit (then biased).
+    """
+
+    name = "fkl"
+
+    def __init__(self, clip: float | None = None):
+        if clip is not None and not (isinstance(clip, (int, float)) and clip > 0 and math.isfinite(clip)):
+            raise ValueError(f"divergence 'fkl': clip={clip!r} is out of range; allowed: None or a finite number > 0")
+        self.clip = None if clip is None else float(clip)
+
+    def params(self):
+        return {} if self.clip is None else {"clip": self.clip}
+
+    def pointwise(self, s, t):
+        return _zero_where(t == _NEG_INF, t.exp() * (t - s))
+
+    def pointwise_grad(self, s, t):
+        return -t.exp() + torch.zeros_like(s)
+
+    def token_score(self, s, t):
+        r = (t - s).exp()
+        if self.clip is not None:
+            r = r.clamp(max=self.clip)
+        return -r
+
+    def pointwise_over_prob(self, s, t):
+        return _zero_where(t == _NEG_INF, (t - s).exp() * (t - s))
+
+    def clipped(self, s, t):
+        if self.clip is None:
+            return super().clipped(s, t)
+        return (t - s).exp() > self.clip
+
+
+class JensenShannon(Divergence):
+    """Generalized JSD: beta*KL(T||M) + (1-beta)*KL(S||M), M = beta*T + (1-beta)*S.
+
+    TRL / ms-swift / Liger / GKD convention: beta=0 is exactly forward KL and beta=1 exactly
+    reverse KL (the mixture formula itself vanishes at the endpoints; JSD/beta -> KL(T||S)
+    as beta -> 0 and JSD/(1-beta) -> KL(S||T) as beta -> 1). Trinity-RFT documents the
+    reverse endpoints.
+    """
+
+    name = "jsd"
+
+    def __init__(self, beta: float = 0.5):
+        if not (isinstance(beta, (int, float)) and 0.0 <= beta <= 1.0):
+            raise ValueError(f"divergence 'jsd': beta={beta!r} is out of range; allowed: 0 <= beta <= 1")
+        self.beta = float(beta)
+        # The endpoints are the plain KLs (exactly, not as a limit of the mixture).
+        self._endpoint: Divergence | None = (
+            ForwardKL() if self.beta == 0.0 else ReverseKL() if self.beta == 1.0 else None
+        )
+        if self._endpoint is not None:
+            self.baseline = self._endpoint.baseline
+
+    def params(self):
+        return {"beta": self.beta}
+
+    def _log_m(self, s, t):
+        # log M(v) = log(beta e^t + (1-beta) e^s), stable for -inf entries
+        return torch.logaddexp(t + math.log(self.beta), s + math.log1p(-self.beta))
+
+    def pointwise(self, s, t):
+        if self._endpoint is not None:
+            return self._endpoint.pointwise(s, t)
+        lm = self._log_m(s, t)
+        teacher_part = _zero_where(t == _NEG_INF, t.exp() * (t - lm))
+        student_part = _zero_where(s == _NEG_INF, s.exp() * (s - lm))
+        return self.beta * teacher_part + (1.0 - self.beta) * student_part
+
+    def pointwise_grad(self, s, t):
+        if self._endpoint is not None:
+            return self._endpoint.pointwise_grad(s, t)
+        # d/ds: the beta*T/M and (1-beta)*S/M terms cancel, leaving (1-beta) S log(S/M)
+        return (1.0 - self.beta) * _zero_where(s == _NEG_INF, s.exp() * (s - self._log_m(s, t)))
+
+    def token_score(self, s, t):
+        if self._endpoint is not None:
+            return self._endpoint.token_score(s, t)
+        return (1.0 - self.beta) * (s - self._log_m(s, t))
+
+    def pointwise_over_prob(self, s, t):
+        if self._endpoint is not None:
+            return self._endpoint.pointwise_over_prob(s, t)
+        lm = self._log_m(s, t)
+        r = (t - s).exp()
+        return self.beta * _zero_where(t == _NEG_INF, r * (t - lm)) + (1.0 - self.beta) * (s - lm)
+
+
+def _check_alpha(name: str, alpha) -> float:
+    if not (isinstance(alpha, (int, float)) and 0.0 < alpha < 1.0):
+        raise ValueError(f"divergence '{name}': alpha={alpha!r} is out of range; allowed: 0 < alpha < 1")
+    return float(alpha)
+
+
+class SkewForwardKL(Divergence):
+    """Skew KL (DistiLLM): KL(T || alpha*T + (1-alpha)*S)."""
+
+    name = "skl"
+
+    def __init__(self, alpha: float = 0.1):
+        self.alpha = _check_alpha(self.name, alpha)
+
+    def params(self):
+        return {"alpha": self.alpha}
+
+    def _log_m(self, s, t):
+        return torch.logaddexp(t + math.log(self.alpha), s + math.log1p(-self.alpha))
+
+    def pointwise(self, s, t):
+        return _zero_where(t == _NEG_INF, t.exp() * (t - self._log_m(s, t)))
+
+    def pointwise_grad(self, s, t):
+        # -(1-alpha) T S / M
+        return -(1.0 - self.alpha) * (t + s - self._log_m(s, t)).exp()
+
+    def token_score(self, s, t):
+        return -(1.0 - self.alpha) * (t - self._log_m(s, t)).exp()
+
+    def pointwise_over_prob(self, s, t):
+        return _zero_where(t == _NEG_INF, (t - s).exp() * (t - self._log_m(s, t)))
+
+
+class SkewReverseKL(Divergence):
+    """Skew reverse KL (DistiLLM): KL(S || alpha*S + (1-alpha)*T)."""
+
+    name = "srkl"
+    baseline = 1.0
+
+    def __init__(self, alpha: float = 0.1):
+        self.alpha = _check_alpha(self.name, alpha)
+
+    def params(self):
+        return {"alpha": self.alpha}
+
+    def _log_m(self, s, t):
+        return torch.logaddexp(s + math.log(self.alpha), t + math.log1p(-self.alpha))
+
+    def pointwise(self, s, t):
+        return _zero_where(s == _NEG_INF, s.exp() * (s - self._log_m(s, t)))
+
+    def pointwise_grad(self, s, t):
+        lm = self._log_m(s, t)
+        return _zero_where(s == _NEG_INF, s.exp() * (s - lm + 1.0 - self.alpha * (s - lm).exp()))
+
+    def token_score(self, s, t):
+        lm = self._log_m(s, t)
+        return s - lm + 1.0 - self.alpha * (s - lm).exp()
+
+    def pointwise_over_prob(self, s, t):
+        return s - self._log_m(s, t)
+
+
+class TotalVariation(Divergence):
+    """Total variation 0.5 * sum_v |S_v - T_v|."""
+
+    name = "tvd"
+
+    def pointwise(self, s, t):
+        return 0.5 * (s.exp() - t.exp()).abs()
+
+    def pointwise_grad(self, s, t):
+        return 0.5 * torch.sign(s - t) * s.exp()
+
+    def token_score(self, s, t):
+        return 0.5 * torch.sign(s - t)
+
+    def pointwise_over_prob(self, s, t):
+        return 0.5 * (1.0 - (t - s).exp()).abs()
+
+    def token_value(self, s, t):
+        # sum_v (S-T)_+ = TVD too (sum_v (S-T) = 0); one-sided, so bounded in [0, 1].
+        return (1.0 - (t - s).exp()).clamp(min=0.0)
+
+
+_REGISTRY: dict[str, type[Divergence]] = {
+    cls.name: cls for cls in (ReverseKL, ForwardKL, JensenShannon, SkewForwardKL, SkewReverseKL, TotalVariation)
+}
+DIVERGENCES: tuple[str, ...] = tuple(_REGISTRY)
+_PARAMS = {"rkl": (), "fkl": ("clip",), "jsd": ("beta",), "skl": ("alpha",), "srkl": ("alpha",), "tvd": ()}
+
+
+def get_divergence(name: str, **params) -> Divergence:
+    """Build a divergence by name: rkl, fkl (clip), jsd (beta), skl (alpha), srkl (alpha), tvd."""
+    if name not in _REGISTRY:
+        raise ValueError(f"unknown divergence {name!r}; allowed: {', '.join(DIVERGENCES)}")
+    allowed = _PARAMS[name]
+    for key in params:
+        if key not in allowed:
+            raise ValueError(
+                f"divergence {name!r} takes no parameter {key!r}; allowed: {', '.join(allowed) or 'none'}"
+            )
+    return _REGISTRY[name](**params)
