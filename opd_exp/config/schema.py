@@ -1,0 +1,309 @@
+"""Typed schema of an `opd-train` run: plain dataclasses registered in Hydra's ConfigStore.
+
+Every field has a default and a one-line help. Closed choices are enums, so an unknown name
+fails with the list of valid ones. Ranges are checked in ``__post_init__`` (run by
+``OmegaConf.to_object``) and combinations in ``validate``, all before any model loads; each
+failure is a ``ConfigError`` with one line naming the key, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+from opd_exp.errors import ConfigError
+
+try:  # the embedded world's schemas (issue 3)
+    from opd_exp.config.world import ModelPairConfig, TaskConfig
+except ImportError:  # pragma: no cover - only while the world is not installed
+    ModelPairConfig = TaskConfig = Any  # type: ignore[misc,assignment]
+
+
+def _fail(key: str, value: Any, allowed: str) -> None:
+    raise ConfigError(f"{key}={value!r} is not allowed; allowed: {allowed}")
+
+
+def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
+    if not ok:
+        _fail(key, value, allowed)
+
+
+def _finite(x: float) -> bool:
+    return isinstance(x, (int, float)) and math.isfinite(x)
+
+
+class DivergenceName(Enum):
+    rkl = "rkl"
+    fkl = "fkl"
+    jsd = "jsd"
+    skl = "skl"
+    srkl = "srkl"
+    tvd = "tvd"
+
+
+class EstimatorName(Enum):
+    sampled = "sampled"  # REINFORCE on the sampled token's exact cost
+    topk = "topk"  # exact over the teacher's top-k + unbiased sampled tail
+    topk_renorm = "topk_renorm"  # ms-swift/verl renormalised top-k (biased; explicit only)
+    full = "full"  # exact over the whole vocabulary
+
+
+class LossName(Enum):
+    ppo = "ppo"
+    reinforce = "reinforce"
+    direct = "direct"
+
+
+class Credit(Enum):
+    token = "token"  # prefix-frozen per-token objective (GKD)
+    sequence = "sequence"  # whole-sequence divergence: future values added to the return
+
+
+class Schedule(Enum):
+    constant = "constant"
+    linear = "linear"
+    cosine = "cosine"
+
+
+class Precision(Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class LoggerName(Enum):
+    wandb = "wandb"
+    none = "none"
+
+
+@dataclass
+class DivergenceConfig:
+    """Which divergence D(S, T) the student lowers, per response position."""
+
+    # rkl KL(S||T) | fkl KL(T||S) | jsd | skl KL(T||aT+(1-a)S) | srkl KL(S||aS+(1-a)T) | tvd
+    name: DivergenceName = DivergenceName.rkl
+    # jsd mixing weight, TRL/GKD convention: M = beta*T + (1-beta)*S; beta=0 is fkl, beta=1 is rkl.
+    # (Trinity-RFT's lambda_coef documents the reverse endpoints.)
+    beta: float = 0.5
+    # skl/srkl skew in (0, 1)
+    alpha: float = 0.1
+    # divides the TEACHER's logits; the student side is the rollout's sampling distribution
+    temperature: float = 1.0
+    # fkl only: clip of the importance weight exp(t - s) in the sampled cost (null: no clip)
+    clip: Optional[float] = None
+
+    def __post_init__(self) -> None:
+        _check(_finite(self.beta) and 0.0 <= self.beta <= 1.0, "divergence.beta", self.beta, "0 <= beta <= 1")
+        _check(_finite(self.alpha) and 0.0 < self.alpha < 1.0, "divergence.alpha", self.alpha, "0 < alpha < 1")
+        _check(_finite(self.temperature) and self.temperature > 0, "divergence.temperature", self.temperature, "> 0")
+        if self.clip is not None:
+            _check(_finite(self.clip) and self.clip > 0, "divergence.clip", self.clip, "null or > 0")
+
+    def params(self) -> dict[str, float]:
+        """Keyword arguments of ``get_divergence`` for this divergence."""
+        name = self.name.value
+        if name == "jsd":
+            return {"beta": self.beta}
+        if name in ("skl", "srkl"):
+            return {"alpha": self.alpha}
+        if name == "fkl" and self.clip is not None:
+            return {"clip": self.clip}
+        return {}
+
+
+@dataclass
+class EstimatorConfig:
+    """How the gradient of D per position is estimated."""
+
+    name: EstimatorName = EstimatorName.full
+    # teacher top-k size (topk, topk_renorm)
+    k: int = 16
+    # rows per chunk of the full-vocab path (null: sized from the vocabulary)
+    chunk_size: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.k, int) and self.k >= 1, "estimator.k", self.k, "integer >= 1")
+        if self.chunk_size is not None:
+            _check(self.chunk_size >= 1, "estimator.chunk_size", self.chunk_size, "null or >= 1")
+
+
+@dataclass
+class LossConfig:
+    """The loss form that turns per-token costs/estimates into a gradient."""
+
+    # ppo: clipped surrogate, A = -kl_coef*R (sampled only); reinforce; direct: GKD-style loss
+    name: LossName = LossName.direct
+    # scale of the distillation term (Trinity-RFT kl_coef, AReno opd_kl_coef)
+    kl_coef: float = 1.0
+    # token: prefix-frozen per-token objective; sequence: whole-sequence divergence
+    credit: Credit = Credit.token
+    # discount of future values in sequence credit, [0, 1]
+    gamma: float = 1.0
+    # PPO ratio clip epsilon
+    clip_eps: float = 0.2
+
+    def __post_init__(self) -> None:
+        _check(_finite(self.kl_coef) and self.kl_coef > 0, "loss.kl_coef", self.kl_coef, "> 0")
+        _check(_finite(self.gamma) and 0.0 <= self.gamma <= 1.0, "loss.gamma", self.gamma, "0 <= gamma <= 1")
+        _check(_finite(self.clip_eps) and 0.0 < self.clip_eps < 1.0, "loss.clip_eps", self.clip_eps, "0 < clip_eps < 1")
+
+
+@dataclass
+class RolloutConfig:
+    """How responses are sampled."""
+
+    # responses sampled per prompt
+    n_samples: int = 1
+    # sampling temperature (divides the student's logits; also the student side of D)
+    temperature: float = 1.0
+    # nucleus sampling mass (1.0: off)
+    top_p: float = 1.0
+    # top-k sampling (0: off)
+    top_k: int = 0
+    # prompts longer than this are truncated from the left
+    max_prompt_tokens: int = 256
+    # response length cap
+    max_new_tokens: int = 32
+    # GKD's lambda: share of steps whose responses the student samples (the rest: the teacher)
+    on_policy_fraction: float = 1.0
+
+    def __post_init__(self) -> None:
+        _check(self.n_samples >= 1, "rollout.n_samples", self.n_samples, "integer >= 1")
+        _check(_finite(self.temperature) and self.temperature > 0, "rollout.temperature", self.temperature, "> 0")
+        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "rollout.top_p", self.top_p, "0 < top_p <= 1")
+        _check(self.top_k >= 0, "rollout.top_k", self.top_k, "integer >= 0 (0: off)")
+        _check(self.max_prompt_tokens >= 1, "rollout.max_prompt_tokens", self.max_prompt_tokens, "integer >= 1")
+        _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, "integer >= 1")
+        _check(
+            _finite(self.on_policy_fraction) and 0.0 <= self.on_policy_fraction <= 1.0,
+            "rollout.on_policy_fraction",
+            self.on_policy_fraction,
+            "0 <= on_policy_fraction <= 1",
+        )
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_p < 1.0 or self.top_k > 0
+
+
+@dataclass
+class TrainerConfig:
+    """The optimisation loop."""
+
+    # optimizer steps
+    max_steps: int = 200
+    # distinct prompts per step (each sampled rollout.n_samples times)
+    batch_size: int = 64
+    # sequences per forward/backward (0: all at once); the loss is normalised by the step's
+    # global response-token count, so accumulation equals one big batch
+    micro_batch_size: int = 0
+    # peak learning rate (AdamW)
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    # learning-rate schedule after warm-up
+    schedule: Schedule = Schedule.cosine
+    warmup_steps: int = 10
+    # gradient-norm clip (0: off)
+    grad_clip: float = 1.0
+    # evaluate every N steps (0: only before and after training)
+    eval_every: int = 50
+    # eval prompts (0: the task's whole eval split)
+    eval_size: int = 256
+    # sequences per eval generation batch
+    eval_batch_size: int = 128
+    # checkpoint every N steps (0: only at the end)
+    save_every: int = 50
+    # complete checkpoints kept in the run folder
+    keep_checkpoints: int = 2
+    # log metrics every N steps
+    log_every: int = 1
+    # auto | cpu | cuda | cuda:N | mps
+    device: str = "auto"
+    # autocast precision of forward passes
+    precision: Precision = Precision.fp32
+    # CPU threads for torch (0: leave torch's default)
+    num_threads: int = 0
+    # console progress bar
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        _check(self.max_steps >= 0, "trainer.max_steps", self.max_steps, "integer >= 0")
+        _check(self.batch_size >= 1, "trainer.batch_size", self.batch_size, "integer >= 1")
+        _check(self.micro_batch_size >= 0, "trainer.micro_batch_size", self.micro_batch_size, "integer >= 0")
+        _check(_finite(self.lr) and self.lr >= 0, "trainer.lr", self.lr, ">= 0")
+        _check(_finite(self.weight_decay) and self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, ">= 0")
+        _check(self.warmup_steps >= 0, "trainer.warmup_steps", self.warmup_steps, "integer >= 0")
+        _check(_finite(self.grad_clip) and self.grad_clip >= 0, "trainer.grad_clip", self.grad_clip, ">= 0 (0: off)")
+        for key in ("eval_every", "eval_size", "save_every", "num_threads"):
+            _check(getattr(self, key) >= 0, f"trainer.{key}", getattr(self, key), "integer >= 0")
+        for key in ("eval_batch_size", "keep_checkpoints", "log_every"):
+            _check(getattr(self, key) >= 1, f"trainer.{key}", getattr(self, key), "integer >= 1")
+        dev = self.device
+        ok = dev in ("auto", "cpu", "cuda", "mps") or (dev.startswith("cuda:") and dev[5:].isdigit())
+        _check(ok, "trainer.device", dev, "auto, cpu, cuda, cuda:N, mps")
+
+
+@dataclass
+class LoggerConfig:
+    """Where metrics go besides metrics.jsonl (always written)."""
+
+    name: LoggerName = LoggerName.wandb
+    project: str = "opd-exp"
+    entity: Optional[str] = None
+    group: Optional[str] = None
+    job_type: Optional[str] = "train"
+    tags: list[str] = field(default_factory=list)
+    # offline: no network; online; disabled
+    mode: str = "offline"
+
+    def __post_init__(self) -> None:
+        _check(self.mode in ("offline", "online", "disabled"), "logger.mode", self.mode, "offline, online, disabled")
+
+
+@dataclass
+class TrainConfig:
+    """One `opd-train` run."""
+
+    # student/teacher/tokenizer (conf/model_pair/*)
+    model_pair: ModelPairConfig = MISSING  # type: ignore[assignment]
+    # prompts, answers and verifier (conf/task/*)
+    task: TaskConfig = MISSING  # type: ignore[assignment]
+    # seeds the data order, sampling and the on/off-policy draw of each step
+    seed: int = 0
+    divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
+    estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    # free-form run name (W&B name, summary line)
+    name: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+
+def validate(cfg: TrainConfig) -> TrainConfig:
+    """Check combinations that cannot work; ranges are checked by each group."""
+    est, loss = cfg.estimator.name, cfg.loss.name
+    if loss is LossName.ppo and est is not EstimatorName.sampled:
+        _fail(
+            "estimator.name",
+            est.value,
+            "sampled with loss=ppo (PPO's ratio needs sampled-token costs; use loss=reinforce or direct)",
+        )
+    if loss is LossName.direct and est is EstimatorName.sampled:
+        _fail(
+            "loss.name",
+            loss.value,
+            "ppo or reinforce with estimator=sampled (a direct loss needs estimator=full, topk or topk_renorm)",
+        )
+    if loss is LossName.direct and cfg.loss.credit is Credit.sequence:
+        _fail("loss.credit", cfg.loss.credit.value, "token with loss=direct (sequence credit needs ppo or reinforce)")
+    if cfg.divergence.clip is not None and cfg.divergence.name is not DivergenceName.fkl:
+        _fail("divergence.clip", cfg.divergence.clip, f"null for divergence={cfg.divergence.name.value} (clip is fkl's)")
+    return cfg

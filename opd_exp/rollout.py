@@ -1,0 +1,223 @@
+"""Rollout: sample responses with HF ``generate`` and lay them out as a training ``Batch``.
+
+Layout: prompts are left-padded to a common length P, so column P is the first response
+token of every row and ``logits[:, i]`` (which predicts token i+1) lines up across rows.
+The response mask is positional: every token up to and including the first EOS counts,
+nothing after it does (masking by token id would let the student emit padding for free).
+
+The sampling distribution is ``sampling_logits``: logits / temperature, then top-k, then
+top-p (HF's order and rules). The trainer scores the student's tokens under this same
+transform, so the log-probs in every REINFORCE/PPO term are those of the distribution the
+tokens were drawn from (tests compare them with generate's own processed scores).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Iterator, Sequence
+
+import torch
+
+# Filtered-out entries get this logit instead of -inf: exp() still gives exactly 0, and
+# 0 * log-prob stays finite (no NaN) in the divergence code.
+FILTERED_LOGIT = -1e9
+
+
+def sampling_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """The logits of the distribution actually sampled from (fp32): tempered, then filtered."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    if top_k > 0 and top_k < z.shape[-1]:
+        kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, FILTERED_LOGIT)
+    if top_p < 1.0:
+        # HF TopPLogitsWarper: drop the lowest tokens whose cumulative mass is <= 1 - top_p,
+        # always keeping the most likely one.
+        sorted_z, order = torch.sort(z, dim=-1, descending=False)
+        cum = sorted_z.softmax(dim=-1).cumsum(dim=-1)
+        drop_sorted = cum <= (1.0 - top_p)
+        drop_sorted[..., -1] = False
+        drop = drop_sorted.scatter(-1, order, drop_sorted)
+        z = z.masked_fill(drop, FILTERED_LOGIT)
+    return z
+
+
+class _VocabLimit:
+    """Logits processor: no mass on ids >= vocab_size (runs before HF's temperature/top-k/top-p)."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def __call__(self, input_ids, scores):
+        if scores.shape[-1] > self.vocab_size:
+            scores = scores.clone()
+            scores[:, self.vocab_size :] = float("-inf")
+        return scores
+
+
+@dataclass
+class Batch:
+    """Prompt+response token ids of N sequences, response-aligned at column ``prompt_len``."""
+
+    input_ids: torch.Tensor  # [N, P+R]
+    attention_mask: torch.Tensor  # [N, P+R]: 0 on left padding of the prompt
+    position_ids: torch.Tensor  # [N, P+R]: positions as generate used them
+    prompt_len: int  # P
+    response_mask: torch.Tensor  # [N, R] bool: up to and including the first EOS
+    prompt_index: torch.Tensor  # [N] index of each row's problem in the step's prompt list
+    source: str = "student"  # who sampled the responses: "student" or "teacher"
+
+    @property
+    def response_ids(self) -> torch.Tensor:
+        return self.input_ids[:, self.prompt_len :]
+
+    @property
+    def num_sequences(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_response_tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+    def micro_batches(self, size: int) -> Iterator["Batch"]:
+        """Whole sequences in slices of ``size`` rows (0: one slice); sequence credit stays intact."""
+        n = self.num_sequences
+        size = n if size <= 0 else size
+        for start in range(0, n, size):
+            sl = slice(start, start + size)
+            yield replace(
+                self,
+                input_ids=self.input_ids[sl],
+                attention_mask=self.attention_mask[sl],
+                position_ids=self.position_ids[sl],
+                response_mask=self.response_mask[sl],
+                prompt_index=self.prompt_index[sl],
+            )
+
+    def to(self, device) -> "Batch":
+        return replace(
+            self,
+            input_ids=self.input_ids.to(device),
+            attention_mask=self.attention_mask.to(device),
+            position_ids=self.position_ids.to(device),
+            response_mask=self.response_mask.to(device),
+            prompt_index=self.prompt_index.to(device),
+        )
+
+
+def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids that skip left padding (what generate uses for a left-padded batch)."""
+    pos = attention_mask.long().cumsum(-1) - 1
+    return pos.clamp(min=0)
+
+
+def response_mask_from_ids(response_ids: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:
+    """True up to and including the first EOS of each row (all True when there is none)."""
+    eos = torch.tensor(list(eos_ids), device=response_ids.device)
+    is_eos = torch.isin(response_ids, eos).long()
+    eos_before = is_eos.cumsum(-1) - is_eos  # EOS strictly before this position
+    return eos_before == 0
+
+
+def eos_token_ids(tokenizer, model=None) -> list[int]:
+    ids: list[int] = []
+    gen = getattr(model, "generation_config", None)
+    for src in (getattr(gen, "eos_token_id", None), tokenizer.eos_token_id):
+        if src is None:
+            continue
+        ids.extend(src if isinstance(src, (list, tuple)) else [src])
+    if not ids:
+        raise ValueError("the tokenizer has no eos_token_id: responses could never end")
+    return sorted(set(int(i) for i in ids))
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str], max_prompt_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Left-padded prompt ids and mask; prompts longer than the cap keep their last tokens."""
+    rows = [tokenizer(p)["input_ids"][-max_prompt_tokens:] for p in prompts]
+    P = max(len(r) for r in rows)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(tokenizer)[0]
+    ids = torch.full((len(rows), P), pad, dtype=torch.long)
+    mask = torch.zeros((len(rows), P), dtype=torch.long)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, P - len(r) :] = torch.tensor(r, dtype=torch.long)
+            mask[i, P - len(r) :] = 1
+    return ids, mask
+
+
+@torch.no_grad()
+def generate(
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    *,
+    n_samples: int = 1,
+    max_new_tokens: int = 32,
+    max_prompt_tokens: int = 256,
+    do_sample: bool = True,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    source: str = "student",
+    vocab_size: int | None = None,
+    return_scores: bool = False,
+):
+    """Sample ``n_samples`` responses per prompt (rows ordered prompt-major).
+
+    ``vocab_size``: ids at or above it (padded embedding rows, absent from the tokenizer and
+    from the other model) are never sampled; the trainer slices logits to the same size.
+    Returns a ``Batch`` (and, with ``return_scores``, generate's processed scores
+    ``[N, R, V]``, for tests only: they cost N*R*V floats).
+    """
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    device = next(model.parameters()).device
+    ids, mask = encode_prompts(tokenizer, prompts, max_prompt_tokens)
+    if n_samples > 1:
+        ids = ids.repeat_interleave(n_samples, 0)
+        mask = mask.repeat_interleave(n_samples, 0)
+    eos = eos_token_ids(tokenizer, model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    kwargs = dict(
+        max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, do_sample=do_sample,
+        return_dict_in_generate=True, output_scores=return_scores,
+    )
+    if do_sample:
+        # top_k=0 and top_p=1.0 switch those filters off (HF's own defaults would apply top_k=50).
+        kwargs.update(temperature=temperature, top_k=top_k, top_p=top_p)
+    gen_cfg = GenerationConfig(**kwargs)
+    was_training = model.training
+    model.eval()
+    out = model.generate(
+        input_ids=ids.to(device),
+        attention_mask=mask.to(device),
+        generation_config=gen_cfg,
+        logits_processor=LogitsProcessorList([_VocabLimit(vocab_size)]) if vocab_size else None,
+    )
+    model.train(was_training)
+    seq = out.sequences
+    P = ids.shape[1]
+    response = seq[:, P:]
+    full_mask = torch.cat([mask.to(device), torch.ones_like(response)], dim=1)
+    batch = Batch(
+        input_ids=seq,
+        attention_mask=full_mask,
+        position_ids=positions_from_mask(full_mask),
+        prompt_len=P,
+        response_mask=response_mask_from_ids(response, eos),
+        prompt_index=torch.arange(len(prompts), device=device).repeat_interleave(n_samples),
+        source=source,
+    )
+    if return_scores:
+        return batch, torch.stack(out.scores, dim=1)
+    return batch
+
+
+def decode_responses(tokenizer, batch: Batch) -> list[str]:
+    """Response text of each row, cut at the first EOS (which is not part of the text)."""
+    texts = []
+    for ids, m in zip(batch.response_ids.tolist(), batch.response_mask.tolist()):
+        kept = [i for i, keep in zip(ids, m) if keep]
+        texts.append(tokenizer.decode(kept, skip_special_tokens=True))
+    return texts

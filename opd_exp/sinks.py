@@ -1,0 +1,164 @@
+"""Metric sinks: where a step's metrics go. Never imports models.
+
+``metrics.jsonl`` in the run folder is always written (one JSON object per logged step);
+the chosen logger (W&B or nothing) gets the same dicts. ``Progress`` is the console bar.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Any, Mapping
+
+
+def _clean(metrics: Mapping[str, Any]) -> dict[str, Any]:
+    out = {}
+    for k, v in metrics.items():
+        if hasattr(v, "item"):
+            v = v.item()
+        if isinstance(v, float) and not math.isfinite(v):
+            v = None if math.isnan(v) else (float("inf") if v > 0 else float("-inf"))
+        out[k] = v
+    return out
+
+
+class Sink:
+    """A do-nothing sink (the `none` logger); subclasses override what they need."""
+
+    def log(self, metrics: Mapping[str, Any], step: int) -> None:
+        pass
+
+    def summary(self, values: Mapping[str, Any]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+NullSink = Sink
+
+
+class JsonlSink(Sink):
+    """Appends ``{"step": n, ...metrics}`` lines to ``path``.
+
+    ``resume_step``: on resume from a checkpoint at that step, lines logged after it by the
+    interrupted run are dropped first, so the file reads as one uninterrupted run.
+    """
+
+    def __init__(self, path: Path, resume_step: int | None = None):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if resume_step is not None and self.path.exists():
+            kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= resume_step]
+            self.path.write_text("".join(line + "\n" for line in kept))
+        elif resume_step is None and self.path.exists():
+            self.path.unlink()  # a fresh run in a reused folder starts a fresh file
+        self._fh = self.path.open("a")
+
+    def log(self, metrics, step):
+        self._fh.write(json.dumps({"step": step, **_clean(metrics)}) + "\n")
+        self._fh.flush()
+
+    def summary(self, values):
+        (self.path.parent / "summary.json").write_text(json.dumps(_clean(values), indent=2) + "\n")
+
+    def close(self):
+        self._fh.close()
+
+
+class WandbSink(Sink):
+    """Weights & Biases; offline by default. The run id is kept in the run folder so a
+    resumed run continues the same W&B run."""
+
+    def __init__(self, run_dir: Path, *, project: str, entity=None, group=None, job_type=None, tags=(), mode="offline", name=None, config=None):
+        import wandb
+
+        id_file = Path(run_dir) / "wandb_id.txt"
+        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        id_file.write_text(run_id)
+        self._run = wandb.init(
+            project=project,
+            entity=entity,
+            group=group,
+            job_type=job_type,
+            tags=list(tags) or None,
+            mode=mode,
+            name=name,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            config=config,
+        )
+
+    def log(self, metrics, step):
+        self._run.log(_clean(metrics), step=step)
+
+    def summary(self, values):
+        for k, v in _clean(values).items():
+            self._run.summary[k] = v
+
+    def close(self):
+        self._run.finish()
+
+
+class MultiSink(Sink):
+    def __init__(self, sinks):
+        self.sinks = list(sinks)
+
+    def log(self, metrics, step):
+        for s in self.sinks:
+            s.log(metrics, step)
+
+    def summary(self, values):
+        for s in self.sinks:
+            s.summary(values)
+
+    def close(self):
+        for s in self.sinks:
+            s.close()
+
+
+class Progress:
+    """Console progress: a tqdm bar with ETA and the key metrics (or nothing if disabled)."""
+
+    KEYS = (("loss", "loss"), ("kl/reverse", "rkl"), ("jsd/mean", "jsd"), ("eval/accuracy", "acc"))
+
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True):
+        self.bar = None
+        self.shown: dict[str, str] = {}
+        if enabled:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc="opd-train", dynamic_ncols=True, file=sys.stderr)
+
+    def update(self, metrics: Mapping[str, Any], n: int = 1) -> None:
+        for key, short in self.KEYS:
+            v = metrics.get(key)
+            if isinstance(v, (int, float)):
+                self.shown[short] = f"{v:.3g}"
+        if self.bar is not None:
+            self.bar.set_postfix(self.shown, refresh=False)
+            self.bar.update(n)
+
+    def write(self, line: str) -> None:
+        if self.bar is not None:
+            self.bar.write(line, file=sys.stderr)
+        else:
+            print(line, file=sys.stderr)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class Stopwatch:
+    def __init__(self):
+        self.t0 = time.perf_counter()
+
+    def lap(self) -> float:
+        now = time.perf_counter()
+        dt, self.t0 = now - self.t0, now
+        return dt

@@ -1,0 +1,84 @@
+"""`opd-train` (also `python -m opd_exp.train`): compose the config, validate it, run the loop.
+
+Config errors (an unknown option or key, a wrong type, an out-of-range value, a
+combination that cannot work) end the command with one line on stderr and exit code 2,
+before any model loads. Set HYDRA_FULL_ERROR=1 to see Hydra's full report instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from opd_exp.config import TrainConfig, register_configs
+from opd_exp.errors import ConfigError
+
+register_configs()
+
+
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    """The composed DictConfig as a validated ``TrainConfig`` (ranges + combinations)."""
+    typed = OmegaConf.to_object(cfg)
+    if not isinstance(typed, TrainConfig):
+        raise ConfigError(f"config root is {type(typed).__name__}; allowed: a TrainConfig (conf/train.yaml)")
+    return typed
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+def _app(cfg: DictConfig) -> float:
+    from hydra.core.hydra_config import HydraConfig
+
+    typed = to_train_config(cfg)
+    run_dir = Path(HydraConfig.get().runtime.output_dir)  # never chdir: paths stay the user's
+    from opd_exp.trainer import Trainer  # heavy imports only after the config is known good
+
+    summary = Trainer(typed, run_dir).run()
+    return float(summary.get("eval/kl_reverse", float("nan")))  # what a sweeper minimises
+
+
+def _one_line(ex: BaseException) -> str:
+    """Hydra/OmegaConf errors span lines (search paths, options, object types): one line."""
+    from hydra.errors import MissingConfigException
+
+    if isinstance(ex, MissingConfigException) and ex.options:
+        missing = (ex.missing_cfg_file or "").strip("/")
+        group, _, option = missing.rpartition("/")
+        if group:
+            return f"{group}={option}: no such option; allowed: {', '.join(sorted(ex.options))}"
+    parts = []
+    for e in (ex, ex.__cause__):
+        if e is None:
+            continue
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        keep = [ln for ln in lines if not ln.startswith(("full_key:", "object_type", "reference_type", "Config search path", "provider=", "Set the environment"))]
+        key = getattr(e, "full_key", None)
+        text = "; ".join(keep[:3])
+        parts.append(f"{key}: {text}" if key and key not in text else text)
+    return " -- ".join(p for p in parts if p) or type(ex).__name__
+
+
+def main() -> None:
+    """Console entry point."""
+    from hydra.errors import HydraException
+    from omegaconf.errors import OmegaConfBaseException
+
+    user_wants_full = bool(os.environ.get("HYDRA_FULL_ERROR"))
+    os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach us instead of Hydra's printer
+    try:
+        _app()
+    except (ConfigError, HydraException, OmegaConfBaseException) as ex:
+        if user_wants_full:
+            raise
+        print(f"opd-train: error: {_one_line(ex)}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if not user_wants_full:
+            os.environ.pop("HYDRA_FULL_ERROR", None)
+
+
+if __name__ == "__main__":
+    main()

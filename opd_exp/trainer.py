@@ -1,0 +1,381 @@
+"""The on-policy distillation loop, as a stateful object.
+
+One step: draw prompts -> the student (or, with probability 1 - on_policy_fraction, the
+teacher) samples responses -> teacher and student score the same positions per
+micro-batch -> objective -> backward (loss normalised by the step's global response-token
+count) -> clip, finite check, optimizer step -> metrics to the sinks -> eval / checkpoint.
+
+A run started again in a folder that holds a checkpoint resumes from the newest complete
+one: weights, optimizer, scheduler, data position, RNG, the before-training eval. Each step
+also re-seeds torch from (seed, step), so a resumed run samples the very same tokens.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import enum
+import math
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opd_exp import checkpoint
+from opd_exp.config.schema import LoggerName, Precision, Schedule, TrainConfig
+from opd_exp.divergences import get_divergence
+from opd_exp.objective import TOKEN_METRICS, Objective, exact_divergences, metric_beta
+from opd_exp.rollout import decode_responses, generate
+from opd_exp.scoring import student_logits, teacher_logits
+from opd_exp.sinks import JsonlSink, MultiSink, Progress, Sink, WandbSink
+
+
+def config_dict(cfg) -> dict[str, Any]:
+    """A JSON-able dict of a (possibly nested) config dataclass; enums by value."""
+
+    def conv(x):
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            return {f.name: conv(getattr(x, f.name)) for f in dataclasses.fields(x)}
+        if isinstance(x, enum.Enum):
+            return x.value
+        if isinstance(x, (list, tuple)):
+            return [conv(v) for v in x]
+        if isinstance(x, dict):
+            return {k: conv(v) for k, v in x.items()}
+        return x
+
+    return conv(cfg)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class DataCursor:
+    """Prompt order: a fresh seeded permutation per epoch; state is (epoch, position)."""
+
+    def __init__(self, n: int, seed: int, epoch: int = 0, pos: int = 0):
+        if n <= 0:
+            raise ValueError("the task has no training problems")
+        self.n, self.seed, self.epoch, self.pos = n, seed, epoch, pos
+        self._perm_epoch, self._perm = -1, []
+
+    def _permutation(self) -> list[int]:
+        if self._perm_epoch != self.epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            self._perm, self._perm_epoch = torch.randperm(self.n, generator=g).tolist(), self.epoch
+        return self._perm
+
+    def next(self, k: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < k:
+            take = min(k - len(out), self.n - self.pos)
+            out += self._permutation()[self.pos : self.pos + take]
+            self.pos += take
+            if self.pos == self.n:
+                self.epoch, self.pos = self.epoch + 1, 0
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, run_dir: Path, *, pair=None, task=None, sinks: list[Sink] | None = None):
+        self.cfg = cfg
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        tc = cfg.trainer
+        if tc.num_threads:
+            torch.set_num_threads(tc.num_threads)
+        self.device = resolve_device(tc.device)
+        torch.manual_seed(cfg.seed)
+        if task is None:
+            from opd_exp.tasks import build_task
+
+            task = build_task(cfg.task)
+        if pair is None:
+            from opd_exp.pairs import load_pair
+
+            pair = load_pair(cfg.model_pair, cfg.task, self.device)
+        self.task = task
+        self.student = pair.student.to(self.device)
+        self.teacher = pair.teacher.to(self.device).eval().requires_grad_(False)
+        self.tokenizer = pair.tokenizer
+        self.vocab_size = int(pair.vocab_size)
+        self.student.train()
+        self.train_problems = list(task.train_problems())
+        evals = list(task.eval_problems())
+        self.eval_problems = evals[: tc.eval_size] if tc.eval_size else evals
+        self.objective = Objective(cfg)
+        self.eval_divs = {
+            "eval/jsd": get_divergence("jsd", beta=metric_beta(cfg)),
+            "eval/kl_reverse": get_divergence("rkl"),
+            "eval/kl_forward": get_divergence("fkl"),
+        }
+        self.params = [p for p in self.student.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.cursor = DataCursor(len(self.train_problems), cfg.seed)
+        self.step = 0
+        self.state: dict[str, Any] = {}  # eval before/last, teacher accuracy, elapsed time
+        self._extra_sinks = sinks
+
+    # -- schedule -------------------------------------------------------------
+    def _lr_factor(self, step: int) -> float:
+        tc = self.cfg.trainer
+        if tc.warmup_steps and step < tc.warmup_steps:
+            return (step + 1) / tc.warmup_steps
+        span = max(tc.max_steps - tc.warmup_steps, 1)
+        frac = min(max(step - tc.warmup_steps, 0) / span, 1.0)
+        if tc.schedule is Schedule.linear:
+            return 1.0 - frac
+        if tc.schedule is Schedule.cosine:
+            return 0.5 * (1.0 + math.cos(math.pi * frac))
+        return 1.0
+
+    def _autocast(self):
+        p = self.cfg.trainer.precision
+        if p is Precision.fp32:
+            return contextlib.nullcontext()
+        dtype = torch.bfloat16 if p is Precision.bf16 else torch.float16
+        return torch.autocast(self.device.type, dtype=dtype)
+
+    # -- one step -------------------------------------------------------------
+    def _on_policy(self, step: int) -> bool:
+        """GKD's lambda: whether step ``step`` is sampled by the student (deterministic in seed, step)."""
+        frac = self.cfg.rollout.on_policy_fraction
+        return frac >= 1.0 or (frac > 0.0 and random.Random(self.cfg.seed * 7919 + step).random() < frac)
+
+    def sample(self, step: int):
+        """The step's prompts and responses (re-seeded from (seed, step): resume-exact)."""
+        cfg, ro = self.cfg, self.cfg.rollout
+        torch.manual_seed(cfg.seed * 1_000_003 + step + 1)
+        problems = [self.train_problems[i] for i in self.cursor.next(cfg.trainer.batch_size)]
+        prompts = [self.task.render_prompt(p, self.tokenizer) for p in problems]
+        on_policy = self._on_policy(step)
+        with self._autocast():
+            batch = generate(
+                self.student if on_policy else self.teacher,
+                self.tokenizer,
+                prompts,
+                n_samples=ro.n_samples,
+                max_new_tokens=ro.max_new_tokens,
+                max_prompt_tokens=ro.max_prompt_tokens,
+                temperature=ro.temperature,
+                top_k=ro.top_k,
+                top_p=ro.top_p,
+                source="student" if on_policy else "teacher",
+                vocab_size=self.vocab_size,
+            )
+        return batch
+
+    def accumulate(self, batch) -> tuple[float, dict[str, float]]:
+        """Forward/backward over micro-batches; gradients equal those of the whole batch."""
+        cfg = self.cfg
+        n_tokens = batch.num_response_tokens  # global count: every micro-batch divides by it
+        on_policy = batch.source == "student"
+        loss_total, sums = 0.0, defaultdict(float)
+        for mb in batch.micro_batches(cfg.trainer.micro_batch_size):
+            if mb.num_response_tokens == 0:
+                continue
+            with self._autocast():
+                zt = teacher_logits(self.teacher, mb, self.vocab_size, temperature=cfg.divergence.temperature)
+                zs = student_logits(
+                    self.student, mb, self.vocab_size,
+                    temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
+                )
+            out = self.objective(zs, zt, mb.response_ids, mb.response_mask, on_policy=on_policy, normalizer=n_tokens)
+            out.loss.backward()
+            loss_total += float(out.loss.detach())
+            for k, v in out.sums.items():
+                sums[k] += v
+        return loss_total, sums
+
+    def train_step(self) -> dict[str, float]:
+        tc = self.cfg.trainer
+        t0 = time.perf_counter()
+        lr = self.optimizer.param_groups[0]["lr"]
+        batch = self.sample(self.step)
+        t_rollout = time.perf_counter() - t0
+        self.optimizer.zero_grad(set_to_none=True)
+        loss, sums = self.accumulate(batch)
+        max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        finite = math.isfinite(loss) and math.isfinite(grad_norm)
+        if finite:  # a non-finite loss or gradient never reaches the weights
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        self.step += 1
+        dt = time.perf_counter() - t0
+        n_tok = max(batch.num_response_tokens, 1)
+        metrics = {k: v / n_tok for k, v in sums.items()}
+        metrics.update(
+            {
+                "loss": loss,
+                "response/length_mean": batch.num_response_tokens / batch.num_sequences,
+                "grad/norm": grad_norm,
+                "grad/skipped": 0.0 if finite else 1.0,
+                "lr": lr,
+                "rollout/on_policy": 1.0 if batch.source == "student" else 0.0,
+                "perf/tokens_per_s": batch.num_response_tokens / dt,
+                "perf/step_s": dt,
+                "perf/rollout_s": t_rollout,
+            }
+        )
+        for k in TOKEN_METRICS:
+            metrics.setdefault(k, 0.0)
+        return metrics
+
+    # -- evaluation -----------------------------------------------------------
+    @torch.no_grad()
+    def _greedy(self, model, problems):
+        ro, tc = self.cfg.rollout, self.cfg.trainer
+        for start in range(0, len(problems), tc.eval_batch_size):
+            chunk = problems[start : start + tc.eval_batch_size]
+            prompts = [self.task.render_prompt(p, self.tokenizer) for p in chunk]
+            with self._autocast():
+                batch = generate(
+                    model, self.tokenizer, prompts, n_samples=1, do_sample=False,
+                    max_new_tokens=ro.max_new_tokens, max_prompt_tokens=ro.max_prompt_tokens,
+                    vocab_size=self.vocab_size,
+                )
+            yield chunk, batch
+
+    def accuracy(self, model, problems) -> float:
+        correct = 0
+        for chunk, batch in self._greedy(model, problems):
+            texts = decode_responses(self.tokenizer, batch)
+            correct += sum(bool(self.task.verify(txt, p.answer)) for txt, p in zip(texts, chunk))
+        return correct / max(len(problems), 1)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Greedy eval accuracy, and the exact divergences over the vocabulary at every
+        position of the student's greedy eval responses (same S and T as the objective)."""
+        cfg = self.cfg
+        was_training = self.student.training
+        self.student.eval()
+        correct, n_tok, sums = 0, 0, defaultdict(float)
+        for chunk, batch in self._greedy(self.student, self.eval_problems):
+            texts = decode_responses(self.tokenizer, batch)
+            correct += sum(bool(self.task.verify(txt, p.answer)) for txt, p in zip(texts, chunk))
+            with self._autocast():
+                zt = teacher_logits(self.teacher, batch, self.vocab_size, temperature=cfg.divergence.temperature)
+                zs = student_logits(
+                    self.student, batch, self.vocab_size,
+                    temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
+                )
+            for k, v in exact_divergences(zs, zt, batch.response_mask, self.eval_divs, cfg.estimator.chunk_size).items():
+                sums[k] += v
+            n_tok += batch.num_response_tokens
+        self.student.train(was_training)
+        out = {k: v / max(n_tok, 1) for k, v in sums.items()}
+        out["eval/accuracy"] = correct / max(len(self.eval_problems), 1)
+        if "teacher_accuracy" not in self.state:
+            self.state["teacher_accuracy"] = self.accuracy(self.teacher, self.eval_problems)
+            out["eval/teacher_accuracy"] = self.state["teacher_accuracy"]
+        return out
+
+    # -- the run --------------------------------------------------------------
+    def _sinks(self, resume_step: int | None) -> Sink:
+        sinks: list[Sink] = [JsonlSink(self.run_dir / "metrics.jsonl", resume_step=resume_step)]
+        lg = self.cfg.logger
+        if lg.name is LoggerName.wandb:
+            sinks.append(
+                WandbSink(
+                    self.run_dir, project=lg.project, entity=lg.entity, group=lg.group, job_type=lg.job_type,
+                    tags=lg.tags, mode=lg.mode, name=self.cfg.name, config=config_dict(self.cfg),
+                )
+            )
+        sinks.extend(self._extra_sinks or [])
+        return MultiSink(sinks)
+
+    def _loop_state(self) -> dict[str, Any]:
+        return {"data": self.cursor.state(), **self.state}
+
+    def save(self) -> Path:
+        return checkpoint.save(
+            self.run_dir, self.step, self.student, self.optimizer, self.scheduler, self._loop_state(),
+            keep=self.cfg.trainer.keep_checkpoints,
+        )
+
+    def resume(self) -> bool:
+        path = checkpoint.latest(self.run_dir)
+        if path is None:
+            return False
+        st = checkpoint.load(path, self.student, self.optimizer, self.scheduler)
+        self.step = int(st.pop("step"))
+        data = st.pop("data")
+        self.cursor = DataCursor(len(self.train_problems), self.cfg.seed, data["epoch"], data["pos"])
+        self.state = st
+        return True
+
+    def run(self, stop_after: int | None = None) -> dict[str, Any]:
+        """Train to ``trainer.max_steps`` (resuming if the folder holds a checkpoint) and
+        return the summary. ``stop_after`` ends the session early after that many steps,
+        as an interruption would (tests use it)."""
+        tc = self.cfg.trainer
+        resumed = self.resume()
+        sink = self._sinks(resume_step=self.step if resumed else None)
+        progress = Progress(tc.max_steps, initial=self.step, enabled=tc.progress)
+        t_start = time.perf_counter() - self.state.get("elapsed_s", 0.0)
+        try:
+            if not resumed:
+                before = self.evaluate()
+                self.state["eval_before"] = before
+                self.state["eval_last"] = before
+                sink.log(before, step=0)
+            done_now = 0
+            while self.step < tc.max_steps:
+                metrics = self.train_step()
+                last = self.step == tc.max_steps
+                if (tc.eval_every and self.step % tc.eval_every == 0) or last:
+                    ev = self.evaluate()
+                    self.state["eval_last"] = ev
+                    metrics.update(ev)
+                if self.step % tc.log_every == 0 or last or "eval/accuracy" in metrics:
+                    sink.log(metrics, step=self.step)
+                progress.update(metrics)
+                self.state["elapsed_s"] = time.perf_counter() - t_start
+                if (tc.save_every and self.step % tc.save_every == 0) or last:
+                    self.save()
+                done_now += 1
+                if stop_after is not None and done_now >= stop_after and not last:
+                    return {}
+            summary = self.summary()
+            sink.summary(summary)
+            progress.write(self.summary_line(summary))
+            return summary
+        finally:
+            progress.close()
+            sink.close()
+
+    def summary(self) -> dict[str, Any]:
+        before, after = self.state.get("eval_before", {}), self.state.get("eval_last", {})
+        out = {"steps": self.step, "elapsed_s": round(self.state.get("elapsed_s", 0.0), 1)}
+        for key in ("eval/accuracy", "eval/kl_reverse", "eval/kl_forward", "eval/jsd"):
+            if key in before:
+                out[f"{key}_before"] = before[key]
+            if key in after:
+                out[key] = after[key]
+        if "teacher_accuracy" in self.state:
+            out["eval/teacher_accuracy"] = self.state["teacher_accuracy"]
+        return out
+
+    def summary_line(self, s: dict[str, Any]) -> str:
+        def f(key):
+            v = s.get(key)
+            return "n/a" if v is None else f"{v:.3f}"
+
+        return (
+            f"opd-train: student eval accuracy {f('eval/accuracy_before')} -> {f('eval/accuracy')} "
+            f"(teacher {f('eval/teacher_accuracy')}); eval reverse KL {f('eval/kl_reverse_before')} -> "
+            f"{f('eval/kl_reverse')}; {s['steps']} steps in {s['elapsed_s']:.0f} s; run folder {self.run_dir}"
+        )
