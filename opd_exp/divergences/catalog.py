@@ -78,6 +78,14 @@ class Divergence(ABC):
         return torch.zeros(torch.broadcast_shapes(s.shape, t.shape), dtype=torch.bool, device=s.device)
 
     # -- exact over the vocabulary --------------------------------------------
+    def rows_value(self, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        """D per row of a [n, V] chunk of log-probs; may overwrite s and t (full path only)."""
+        return self.pointwise(s, t).sum(-1)
+
+    def rows_grad(self, s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(G, S) for a chunk: G = d phi / d s per entry and S = exp(s); may overwrite s and t."""
+        return self.pointwise_grad(s, t), s.exp()
+
     def full(
         self,
         student_logits: torch.Tensor,
@@ -200,6 +208,26 @@ class JensenShannon(Divergence):
         if self._endpoint is not None:
             return self._endpoint.token_score(s, t)
         return (1.0 - self.beta) * (s - self._log_m(s, t))
+
+    def rows_value(self, s, t):
+        if self._endpoint is not None:
+            return self._endpoint.rows_value(s, t)
+        # phi = beta*T*t + (1-beta)*S*s - M*log M, in place on the chunk buffers (the hot path
+        # of the full-vocab loss); clamping -inf log-probs keeps 0 * log 0 at 0.
+        s.clamp_(min=torch.finfo(s.dtype).min)
+        t.clamp_(min=torch.finfo(t.dtype).min)
+        S, T = s.exp(), t.exp()
+        out = self.beta * (T * t).sum(-1) + (1.0 - self.beta) * (S * s).sum(-1)
+        M = T.mul_(self.beta).add_(S, alpha=1.0 - self.beta).clamp_(min=torch.finfo(s.dtype).tiny)
+        return out - torch.xlogy(M, M).sum(-1)
+
+    def rows_grad(self, s, t):
+        if self._endpoint is not None:
+            return self._endpoint.rows_grad(s, t)
+        S = s.exp()
+        lm = t.exp_().mul_(self.beta).add_(S, alpha=1.0 - self.beta).log_()
+        G = s.sub_(lm).mul_(S).mul_(1.0 - self.beta)  # (1-beta) S (s - log M)
+        return torch.where(S == 0, 0.0, G), S
 
     def pointwise_over_prob(self, s, t):
         if self._endpoint is not None:

@@ -50,7 +50,7 @@ class _FullDivergence(torch.autograd.Function):
             idx = rows[start : start + chunk]
             s = _log_probs(student[idx], tau, dtype)
             t = _log_probs(teacher[idx], tau, dtype)
-            out[idx] = div.pointwise(s, t).sum(-1)
+            out[idx] = div.rows_value(s, t)
         ctx.save_for_backward(student, teacher, rows)
         ctx.div, ctx.tau, ctx.chunk = div, tau, chunk
         return out
@@ -65,10 +65,10 @@ class _FullDivergence(torch.autograd.Function):
             idx = rows[start : start + chunk]
             s = _log_probs(student[idx], tau, dtype)
             t = _log_probs(teacher[idx], tau, dtype)
-            g = div.pointwise_grad(s, t)
-            del t
-            g -= s.exp_() * g.sum(-1, keepdim=True)  # s now holds S (in place: one buffer less)
-            g *= grad_out[idx].to(dtype).unsqueeze(-1) / tau
+            g, S = div.rows_grad(s, t)
+            del s, t
+            g.addcmul_(S, g.sum(-1, keepdim=True), value=-1.0)  # G - S * sum(G)
+            g.mul_(grad_out[idx].to(dtype).unsqueeze(-1) / tau)
             grad[idx] = g.to(grad.dtype)
         return grad, None, None, None, None, None
 
