@@ -134,7 +134,8 @@ def eos_token_ids(tokenizer, model=None) -> list[int]:
 
 def encode_prompts(tokenizer, prompts: Sequence[str], max_prompt_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-padded prompt ids and mask; prompts longer than the cap keep their last tokens."""
-    rows = [tokenizer(p)["input_ids"][-max_prompt_tokens:] for p in prompts]
+    # Rendered prompts (chat templates) carry their own special tokens, as in SFT: add none.
+    rows = [tokenizer(p, add_special_tokens=False)["input_ids"][-max_prompt_tokens:] for p in prompts]
     P = max(len(r) for r in rows)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids(tokenizer)[0]
     ids = torch.full((len(rows), P), pad, dtype=torch.long)

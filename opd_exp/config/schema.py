@@ -167,7 +167,7 @@ class RolloutConfig:
     # prompts longer than this are truncated from the left
     max_prompt_tokens: int = 256
     # response length cap
-    max_new_tokens: int = 32
+    max_new_tokens: int = 40
     # GKD's lambda: share of steps whose responses the student samples (the rest: the teacher)
     on_policy_fraction: float = 1.0
 
