@@ -10,6 +10,7 @@ import json
 import math
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -77,7 +78,7 @@ class WandbSink(Sink):
         import wandb
 
         id_file = Path(run_dir) / "wandb_id.txt"
-        run_id = id_file.read_text().strip() if id_file.exists() else wandb.util.generate_id()
+        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
         id_file.write_text(run_id)
         self._run = wandb.init(
             project=project,

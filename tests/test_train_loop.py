@@ -142,3 +142,13 @@ def test_incomplete_checkpoints_are_ignored(tiny_pair, tmp_path):
     (root / ".tmp-step_000003-1").mkdir()  # crashed mid-write
     (root / "step_000004").mkdir()  # no files: not complete
     assert checkpoint.latest(tmp_path).name == "step_000002"
+
+
+@pytest.mark.slow
+def test_wandb_logger_offline(tiny_pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    cfg = small_config(logger={"name": "wandb", "mode": "offline", "project": "opd-exp-test"}, trainer={"max_steps": 2})
+    Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask()).run()
+    assert (tmp_path / "wandb_id.txt").is_file()
+    assert list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(read_metrics(tmp_path)) == 3
