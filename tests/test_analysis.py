@@ -1,0 +1,182 @@
+"""Loading run folders back, and summaries over seeds, on synthetic multiruns with known numbers."""
+
+import json
+import math
+
+import pytest
+from synthetic_runs import SEEDS, STEPS, write_multirun, write_run
+
+from opd_exp.analysis import (
+    AnalysisError,
+    curve,
+    find_failed_jobs,
+    format_table,
+    group_by_variant,
+    latest_multirun,
+    load_runs,
+    load_wandb,
+    mean_std,
+    parse_overrides,
+    plot_curves,
+    read_metrics,
+    summary_table,
+    variant_label,
+)
+
+RKL = "divergence=rkl"
+JSD = "divergence=jsd,divergence.beta=0.5"
+
+
+def test_parse_overrides_and_labels():
+    o = parse_overrides(["divergence=jsd", "+divergence.beta=0.5", "++x.y=a=b", "~logger", "seed=2"])
+    assert o == {"divergence": "jsd", "divergence.beta": "0.5", "x.y": "a=b", "seed": "2"}
+    assert list(o) == ["divergence", "divergence.beta", "x.y", "seed"]  # order kept
+    assert variant_label(o) == "divergence=jsd,divergence.beta=0.5,x.y=a=b"
+    assert variant_label(o, drop={"x.y"}) == JSD
+
+
+def test_multirun_loads_one_run_per_job_with_variants_and_seeds(tmp_path):
+    runs = load_runs(write_multirun(tmp_path))
+    assert [r.path.name for r in runs] == [str(i) for i in range(6)]
+    # the shared trainer.max_steps override does not tell variants apart: dropped from labels
+    assert [r.variant for r in runs] == [RKL] * 3 + [JSD] * 3
+    assert [r.seed for r in runs] == [0, 1, 2] * 2
+    assert runs[0].overrides == {"divergence": "rkl", "seed": "0", "trainer.max_steps": str(STEPS)}
+    groups = group_by_variant(runs)
+    assert list(groups) == [RKL, JSD]
+    r = runs[4]  # jsd, seed 1
+    assert r.steps("eval/accuracy") == [0, 2, 4]
+    assert r.steps("jsd/mean") == [1, 2, 3, 4]
+    assert r.final("eval/accuracy") == pytest.approx(0.61)
+    assert r.final("eval/teacher_accuracy") == 0.9
+    assert r.final("no/such") is None
+    assert r.steps_per_s() == pytest.approx(4.0)
+
+
+def test_summary_table_means_and_stds_over_seeds(tmp_path):
+    rows = summary_table(load_runs(write_multirun(tmp_path)))
+    by = {row["variant"]: row for row in rows}
+    assert by[RKL]["seeds"] == list(SEEDS) and by[RKL]["n"] == 3
+    m, s, n = by[RKL]["eval/accuracy"]
+    assert (m, s, n) == (pytest.approx(0.51), pytest.approx(0.01), 3)
+    m, s, n = by[JSD]["eval/accuracy"]
+    assert (m, s) == (pytest.approx(0.61), pytest.approx(0.01))
+    m, s, _ = by[RKL]["eval/jsd"]  # 0.02 * (1 + seed)
+    assert (m, s) == (pytest.approx(0.04), pytest.approx(0.02))
+    m, s, _ = by[JSD]["eval/kl_reverse"]
+    assert (m, s) == (pytest.approx(0.11), pytest.approx(0.01))
+    m, s, _ = by[JSD]["steps/s"]  # 2, 4, 4 steps/s
+    assert (m, s) == (pytest.approx(10 / 3), pytest.approx(math.sqrt(4 / 3)))
+
+
+def test_curve_aligns_seeds_on_steps(tmp_path):
+    rs = group_by_variant(load_runs(write_multirun(tmp_path)))[RKL]
+    c = curve(rs, "jsd/mean")
+    assert c["step"] == [1, 2, 3, 4]
+    assert c["n"] == [3, 3, 3, 3]
+    # jsd/mean = 0.4 (1 - step/4) + 0.01 seed
+    assert c["mean"][0] == pytest.approx(0.3 + 0.01)
+    assert c["min"][0] == pytest.approx(0.3) and c["max"][0] == pytest.approx(0.32)
+    assert c["std"][0] == pytest.approx(0.01)
+
+
+def test_single_run_folder_and_seed_from_config(tmp_path):
+    run = write_run(tmp_path / "run", ["divergence=jsd", "divergence.beta=0.9"],
+                    [{"step": 1, "jsd/mean": 0.2, "perf/step_s": 0.5}], seed=7)
+    (runs,) = load_runs(run)
+    assert runs.seed == 7  # not overridden: read from .hydra/config.yaml
+    assert runs.variant == "divergence=jsd,divergence.beta=0.9"
+    assert runs.steps_per_s() == pytest.approx(2.0)
+
+
+def test_steps_per_s_falls_back_to_summary(tmp_path):
+    run = write_run(tmp_path / "run", [], [{"step": 10, "loss": 1.0}])
+    (run / "summary.json").write_text(json.dumps({"steps": 10, "elapsed_s": 4.0}))
+    (r,) = load_runs(run)
+    assert r.variant == "default" and r.steps_per_s() == pytest.approx(2.5)
+
+
+def test_truncated_and_null_lines(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "loss": 1.0, "kl/reverse": null}\n{"step": 2, "loss": 0.5}\n{"step": 3, "lo')
+    series, bad = read_metrics(path)
+    assert bad == 1
+    assert series["loss"] == [(1, 1.0), (2, 0.5)]
+    assert math.isnan(series["kl/reverse"][0][1])
+
+
+def test_missing_folder_and_folder_without_metrics(tmp_path):
+    with pytest.raises(AnalysisError, match="no such folder"):
+        load_runs(tmp_path / "nope")
+    (tmp_path / "empty" / "0" / ".hydra").mkdir(parents=True)
+    with pytest.raises(AnalysisError, match="no metrics.jsonl under"):
+        load_runs(tmp_path / "empty")
+    assert find_failed_jobs(tmp_path / "empty") == [tmp_path / "empty" / "0"]
+
+
+def test_mean_std_edge_cases():
+    assert mean_std([]) == (pytest.approx(math.nan, nan_ok=True), pytest.approx(math.nan, nan_ok=True), 0)
+    assert mean_std([2.0, None, math.nan]) == (2.0, 0.0, 1)
+
+
+def test_format_table_text_markdown_csv(tmp_path):
+    rows = summary_table(load_runs(write_multirun(tmp_path)))
+    text = format_table(rows)
+    lines = text.splitlines()
+    assert lines[0].split() == ["variant", "seeds", "eval/accuracy", "eval/jsd", "eval/kl_reverse", "steps/s"]
+    assert lines[2].split() == [RKL, "0,1,2", "0.51", "±", "0.01", "0.04", "±", "0.02", "0.11", "±", "0.01",
+                                "3.33", "±", "1.2"]
+    md = format_table(rows, fmt="markdown").splitlines()
+    assert md[0] == "| variant | seeds | eval/accuracy | eval/jsd | eval/kl_reverse | steps/s |"
+    assert md[3] == f"| {JSD} | 0,1,2 | 0.61 ± 0.01 | 0.02 ± 0.01 | 0.11 ± 0.01 | 3.33 ± 1.2 |"
+    csv = format_table(rows, fmt="csv").splitlines()
+    assert csv[0].startswith("variant,seeds,n,eval/accuracy_mean,eval/accuracy_std")
+    assert csv[1].startswith(f"{RKL},0 1 2,3,0.51,0.01,")
+
+
+def test_latest_multirun(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert latest_multirun() is None
+    folder = write_multirun(tmp_path)
+    (tmp_path / "multirun" / "2024-12-31" / "23-59-59").mkdir(parents=True)  # older, and empty
+    (tmp_path / "multirun" / "2025-01-02" / "00-00-00").mkdir(parents=True)  # newer, but no metrics
+    assert latest_multirun().resolve() == folder.resolve()
+
+
+def test_plot_curves_draws_a_line_and_band_per_variant(tmp_path):
+    pytest.importorskip("matplotlib")
+    runs = load_runs(write_multirun(tmp_path))
+    fig = plot_curves(runs)
+    axes = fig.get_axes()
+    assert [ax.get_title() for ax in axes] == ["jsd/mean", "kl/reverse", "eval/accuracy"]
+    assert [len(ax.lines) for ax in axes] == [2, 2, 2]
+    assert [len(ax.collections) for ax in axes] == [2, 2, 2]  # one seed band per variant
+    line = axes[2].lines[1]  # jsd variant, eval accuracy: steps 0, 2, 4
+    assert list(line.get_xdata()) == [0, 2, 4]
+    assert line.get_ydata()[-1] == pytest.approx(0.61)
+    fig.savefig(tmp_path / "c.png")
+    assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_load_wandb_reads_tags_config_and_history():
+    class FakeRun:
+        def __init__(self, id, tags, seed, accs):
+            self.id, self.tags, self.config, self.summary = id, tags, {"seed": seed}, {}
+            self._rows = [{"_step": i, "eval/accuracy": a, "_runtime": 1.0, "note": "x"} for i, a in enumerate(accs)]
+
+        def scan_history(self):
+            return iter(self._rows)
+
+    class FakeApi:
+        def runs(self, path, filters=None):
+            assert path == "me/opd" and filters == {"group": "sweep1"}
+            return [FakeRun("a", ["divergence=rkl", "seed=0", "opd"], 0, [0.1, 0.5]),
+                    FakeRun("b", ["divergence=rkl"], 1, [0.2, 0.7]),
+                    FakeRun("c", ["divergence=fkl"], 0, [0.3, 0.4])]
+
+    runs = load_wandb("opd", entity="me", group="sweep1", api=FakeApi())
+    assert [r.variant for r in runs] == ["divergence=rkl", "divergence=rkl", "divergence=fkl"]
+    assert [r.seed for r in runs] == [0, 1, 0]
+    assert runs[1].series == {"eval/accuracy": [(0, 0.2), (1, 0.7)]}
+    row = summary_table(runs, ["eval/accuracy"])[0]
+    assert row["eval/accuracy"][0] == pytest.approx(0.6)

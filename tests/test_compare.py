@@ -1,0 +1,98 @@
+"""`opd-compare` on synthetic multiruns (and, marked slow, on a real tiny opd-train multirun)."""
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from synthetic_runs import write_multirun, write_run
+
+from opd_exp.compare import main
+
+RKL = "divergence=rkl"
+JSD = "divergence=jsd,divergence.beta=0.5"
+
+
+def compare(capsys, *args):
+    with pytest.raises(SystemExit) as ex:
+        main([str(a) for a in args])
+    out = capsys.readouterr()
+    return ex.value.code, out.out, out.err
+
+
+def test_prints_the_comparison_table(tmp_path, capsys):
+    folder = write_multirun(tmp_path)
+    write_run(folder / "6", ["divergence=fkl", "seed=0", "trainer.max_steps=4"], None)  # a job that failed at start
+    code, out, err = compare(capsys, folder)
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0] == f"{folder}: 6 jobs, 2 variants; final values, mean ± std over seeds"
+    assert lines[1].split() == ["variant", "seeds", "eval/accuracy", "eval/jsd", "eval/kl_reverse", "steps/s"]
+    assert lines[3].split() == [RKL, "0,1,2", "0.51", "±", "0.01", "0.04", "±", "0.02", "0.11", "±", "0.01",
+                                "3.33", "±", "1.2"]
+    assert lines[4].split() == [JSD, "0,1,2", "0.61", "±", "0.01", "0.02", "±", "0.01", "0.11", "±", "0.01",
+                                "3.33", "±", "1.2"]
+    assert lines[5] == "teacher eval accuracy: 0.9"
+    assert lines[6] == f"note: {folder / '6'}: job wrote no metrics.jsonl (failed or still starting); left out"
+
+
+def test_metric_option_and_markdown(tmp_path, capsys):
+    code, out, _ = compare(capsys, write_multirun(tmp_path), "--metric", "eval/kl_forward", "--metric", "jsd/mean",
+                           "--format", "markdown")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[1] == "| variant | seeds | eval/kl_forward | jsd/mean | steps/s |"
+    assert lines[3] == f"| {RKL} | 0,1,2 | 0.12 ± 0 | 0.01 ± 0.01 | 3.33 ± 1.2 |"
+
+
+def test_plot_writes_an_image(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out_png = tmp_path / "figs" / "curves.png"
+    code, out, _ = compare(capsys, write_multirun(tmp_path), "--plot", out_png, "--curve", "kl/forward")
+    assert code == 0 and out.splitlines()[-1] == f"curves written to {out_png}"
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_one_line_errors(tmp_path, capsys):
+    code, out, err = compare(capsys, tmp_path / "nope")
+    assert (code, out) == (2, "")
+    assert err == f"opd-compare: error: no such folder: {tmp_path / 'nope'}\n"
+    (tmp_path / "empty").mkdir()
+    code, _, err = compare(capsys, tmp_path / "empty")
+    assert code == 2 and err.startswith(f"opd-compare: error: no metrics.jsonl under {tmp_path / 'empty'}")
+    assert err.count("\n") == 1
+    code, _, err = compare(capsys, write_multirun(tmp_path), "--metric", "eval/acc")
+    assert code == 2 and err.startswith("opd-compare: error: metric 'eval/acc' not in any job's metrics.jsonl; allowed: ")
+    assert "eval/accuracy" in err and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_compare_on_a_real_tiny_multirun(tmp_path):
+    """opd-train -m on the embedded default, 2 variants x 2 seeds x 2 steps, then opd-compare."""
+    exe = shutil.which("opd-train")
+    if exe is None:
+        pytest.skip("opd-train is not installed (pip install -e .)")
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1"}
+    cmd = [
+        exe, "-m", "divergence=rkl,jsd", "seed=0,1", "logger=none",
+        "trainer.max_steps=2", "trainer.batch_size=2", "trainer.eval_size=4", "trainer.progress=false",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = subprocess.run([sys.executable, "-m", "opd_exp.compare", str(sweep), "--plot", str(tmp_path / "c.png")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert lines[0] == f"{sweep}: 4 jobs, 2 variants; final values, mean ± std over seeds"
+    rows = {ln.split()[0]: ln.split() for ln in lines[3:5]}
+    assert set(rows) == {"divergence=rkl", "divergence=jsd"}
+    for cells in rows.values():
+        assert cells[1] == "0,1"
+        acc = float(cells[2])
+        assert 0.0 <= acc <= 1.0
+        assert "n/a" not in cells
+    assert Path(tmp_path / "c.png").stat().st_size > 1000
