@@ -1,0 +1,244 @@
+"""Model pairs: resolve, check before loading, and load a teacher/student pair.
+
+The embedded pair (``embedded:student`` / ``embedded:teacher``) is prepared into the cache on
+first use; hub ids and local folders are used as they are. Every pair goes through the same
+pre-flight checks and the same ``from_pretrained`` calls.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+from opd_exp.config.world import ModelPairConfig, as_pair_config, as_task_config  # noqa: F401
+from opd_exp.errors import ConfigError
+
+log = logging.getLogger("opd_exp.pairs")
+
+EMBEDDED_PREFIX = "embedded:"
+EMBEDDED_ROLES = ("student", "teacher")
+# Fixed text whose ids must agree between the two tokenizers: prose, digits, the answer
+# marker, code-ish symbols, whitespace runs and non-ASCII.
+PROBE_TEXT = (
+    "Natalia sold 48 clips in April, and half as many in May. 48/2=24; 48+24=72\n"
+    "#### 72\n  if (x_1 >= 3.5) { y = [a, b]; }\t-- café, naïve, 日本語, 😀 <tag> ~!@#$%^&*()"
+)
+ALLOWED_MODEL = "a hub id (e.g. 'Qwen/Qwen2.5-1.5B-Instruct'), an existing local folder, or 'embedded:student' / 'embedded:teacher'"
+
+
+def _looks_like_path(value: str) -> bool:
+    # A hub id is "name" or "org/name"; anything else with path syntax is meant as a folder.
+    return (
+        value.startswith(("/", "./", "../", "~", "."))
+        or "\\" in value
+        or value.count("/") > 1
+        or value.endswith("/")
+    )
+
+
+def _locate(key: str, value: str) -> str:
+    """A local folder (absolute) or a hub id; a path that does not exist is an error."""
+    local = Path(value).expanduser()
+    if local.exists():
+        if not local.is_dir():
+            raise ConfigError(f"{key}: {value!r} is a file; allowed: a model folder (with config.json), a hub id, or 'embedded:...'")
+        return str(local.resolve())
+    if _looks_like_path(value):
+        raise ConfigError(f"{key}: local folder {value!r} does not exist; allowed: {ALLOWED_MODEL}")
+    return value
+
+
+def resolve_pair(pair_cfg: Any, task_cfg: Any = None, *, progress: bool = True) -> tuple[str, str]:
+    """(student_path, teacher_path): cache folders for embedded models (prepared on first use),
+    local folders as absolute paths, hub ids unchanged."""
+    cfg = as_pair_config(pair_cfg)
+    out = []
+    embedded = None
+    for key in ("student", "teacher"):
+        value = getattr(cfg, key)
+        if value.startswith(EMBEDDED_PREFIX):
+            role = value[len(EMBEDDED_PREFIX):]
+            if role not in EMBEDDED_ROLES:
+                raise ConfigError(f"model_pair.{key}: got {value!r}; allowed: 'embedded:student', 'embedded:teacher', or {ALLOWED_MODEL}")
+            if embedded is None:
+                from opd_exp.world.prepare import prepare_embedded
+
+                embedded = prepare_embedded(cfg.embedded, task_cfg, progress=progress)
+            out.append(str(getattr(embedded, role)))
+        else:
+            out.append(_locate(f"model_pair.{key}", value))
+    return out[0], out[1]
+
+
+def _read_config(key: str, where: str) -> dict:
+    """config.json of a local folder or hub id, as a dict (no model code is imported)."""
+    local = Path(where)
+    if local.is_dir():
+        path = local / "config.json"
+        if not path.is_file():
+            raise ConfigError(f"{key}: folder {where!r} has no config.json; allowed: a folder written by save_pretrained")
+    else:
+        try:
+            from transformers.utils import cached_file
+
+            path = cached_file(where, "config.json")
+        except Exception as exc:  # offline, unknown repo, gated repo, ...
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(
+                f"{key}: cannot fetch {where!r} from the hub or the local HF cache ({reason[:160]}); allowed: {ALLOWED_MODEL}"
+            ) from None
+        if path is None:
+            raise ConfigError(f"{key}: {where!r} has no config.json; allowed: {ALLOWED_MODEL}")
+    try:
+        return json.loads(Path(path).read_text())
+    except ValueError:
+        raise ConfigError(f"{key}: {path} is not valid JSON; allowed: a config.json written by save_pretrained") from None
+
+
+def _check_remote_code(key: str, where: str, config: dict, trust: bool) -> None:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    auto_map = config.get("auto_map") or {}
+    custom = any(name in auto_map for name in ("AutoModelForCausalLM", "AutoModel", "AutoConfig"))
+    if (custom or model_type not in CONFIG_MAPPING) and not trust:
+        why = "its config.json maps to code in the repo (auto_map)" if custom else f"model_type {model_type!r} is unknown to this transformers"
+        raise ConfigError(
+            f"model_pair.trust_remote_code: got False, but {key}={where!r} needs custom code ({why}); "
+            f"allowed: true (only for code you trust), or a model transformers supports natively"
+        )
+
+
+def _embedding_rows(config: dict) -> Optional[int]:
+    if isinstance(config.get("vocab_size"), int):
+        return config["vocab_size"]
+    text = config.get("text_config") or {}
+    return text.get("vocab_size") if isinstance(text, dict) else None
+
+
+def _load_tokenizer(key: str, where: str, trust: bool):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(where, trust_remote_code=trust)
+    except Exception as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{key}: cannot load a tokenizer from {where!r} ({reason[:160]}); allowed: a folder or hub id with tokenizer files") from None
+
+
+@dataclass
+class PreflightResult:
+    student: str  # resolved student folder or hub id
+    teacher: str  # resolved teacher folder or hub id
+    tokenizer: str  # where the shared tokenizer is loaded from
+    vocab_size: int  # usable vocabulary: logits are compared on ids [0, vocab_size)
+    student_rows: Optional[int]  # embedding rows of the student (may exceed vocab_size)
+    teacher_rows: Optional[int]
+
+
+def preflight(
+    pair_cfg: Any,
+    task_cfg: Any = None,
+    *,
+    student_path: Optional[str] = None,
+    teacher_path: Optional[str] = None,
+    progress: bool = True,
+) -> PreflightResult:
+    """Check that the pair can be distilled, before loading any weights.
+
+    Fails with one ``ConfigError`` line on: a missing local folder, a model that needs
+    ``trust_remote_code`` when it is not allowed, tokenizers that map the same text to
+    different ids, or an embedding smaller than the tokenizer. Different embedding sizes that
+    both cover the tokenizer are fine (logged): only the tokenizer's ids are compared.
+    """
+    cfg = as_pair_config(pair_cfg)
+    if student_path is None or teacher_path is None:
+        student_path, teacher_path = resolve_pair(cfg, task_cfg, progress=progress)
+    trust = cfg.trust_remote_code
+    configs = {}
+    for key, where in (("model_pair.student", student_path), ("model_pair.teacher", teacher_path)):
+        configs[key] = _read_config(key, where)
+        _check_remote_code(key, where, configs[key], trust)
+
+    tok_key, tok_where = "model_pair.student", student_path
+    if cfg.tokenizer:
+        tok_key, tok_where = "model_pair.tokenizer", _locate("model_pair.tokenizer", cfg.tokenizer)
+    tokenizer = _load_tokenizer(tok_key, tok_where, trust)
+    teacher_tok = _load_tokenizer("model_pair.teacher", teacher_path, trust)
+    ids = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    teacher_ids = teacher_tok(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    if ids != teacher_ids or len(tokenizer) != len(teacher_tok):
+        first = next((i for i, (a, b) in enumerate(zip(ids, teacher_ids)) if a != b), min(len(ids), len(teacher_ids)))
+        raise ConfigError(
+            f"model_pair.teacher: the tokenizer of {teacher_path!r} ({len(teacher_tok)} tokens) maps text to different ids "
+            f"than the student's {tok_where!r} ({len(tokenizer)} tokens; first difference at probe token {first}); "
+            f"allowed: a teacher and student that share one tokenizer"
+        )
+
+    vocab = len(tokenizer)
+    rows = {}
+    for key, where in (("model_pair.student", student_path), ("model_pair.teacher", teacher_path)):
+        n = _embedding_rows(configs[key])
+        rows[key] = n
+        if n is not None and n < vocab:
+            raise ConfigError(
+                f"{key}: {where!r} has {n} embedding rows but the tokenizer has {vocab} tokens; "
+                f"allowed: a model whose vocab_size is >= {vocab} (the tokenizer's length)"
+            )
+    s_rows, t_rows = rows["model_pair.student"], rows["model_pair.teacher"]
+    if s_rows != t_rows:
+        log.info(
+            "vocab: student has %s embedding rows, teacher %s; both cover the tokenizer's %d tokens, "
+            "so this is reconcilable: logits are compared on ids [0, %d)", s_rows, t_rows, vocab, vocab,
+        )
+    return PreflightResult(student_path, teacher_path, tok_where, vocab, s_rows, t_rows)
+
+
+@dataclass
+class LoadedPair:
+    student: Any  # trainable causal LM (train mode)
+    teacher: Any  # frozen causal LM (eval mode, requires_grad False)
+    tokenizer: Any  # the shared tokenizer (has a pad token)
+    vocab_size: int  # slice logits to [..., :vocab_size] before comparing the two models
+    student_path: str
+    teacher_path: str
+
+
+def _torch_dtype(name: str):
+    import torch
+
+    return "auto" if name == "auto" else getattr(torch, name)
+
+
+def _load_model(key: str, where: str, cfg: ModelPairConfig, device: Any):
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            where, dtype=_torch_dtype(cfg.dtype), use_safetensors=True, trust_remote_code=cfg.trust_remote_code
+        )
+    except OSError as exc:  # e.g. only .bin weights: we never unpickle weights
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{key}: cannot load safetensors weights from {where!r} ({reason[:160]}); allowed: a model saved as safetensors") from None
+    return model.to(device)
+
+
+def load_pair(pair_cfg: Any, task_cfg: Any = None, device: Any = "cpu", *, progress: bool = True) -> LoadedPair:
+    """Resolve, pre-flight and load the pair, ready for distillation."""
+    cfg = as_pair_config(pair_cfg)
+    checked = preflight(cfg, task_cfg, progress=progress)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(checked.tokenizer, trust_remote_code=cfg.trust_remote_code)
+    if tokenizer.pad_token is None:  # batching needs a pad id; padding is masked by position anyway
+        tokenizer.pad_token = tokenizer.eos_token
+    student = _load_model("model_pair.student", checked.student, cfg, device)
+    teacher = _load_model("model_pair.teacher", checked.teacher, cfg, device)
+    student.train()
+    teacher.eval()
+    teacher.requires_grad_(False)
+    return LoadedPair(student, teacher, tokenizer, checked.vocab_size, checked.student, checked.teacher)

@@ -1,0 +1,138 @@
+"""GSM8K (or any file in its format) as a Task.
+
+Rows are ``{"question": ..., "answer": "<worked steps>\\n#### <number>"}``. ``task.path`` is
+one of: a local ``.jsonl``/``.json``/``.parquet`` file (split into eval/train by
+``eval_seed``), a folder or a path with ``{split}`` holding one file per split, a hub id
+read with the optional ``datasets`` package, or ``embedded:gsm8k_mini`` (the ~30 problems
+shipped with the project).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from functools import cached_property
+from pathlib import Path
+from typing import Optional
+
+from opd_exp.config.world import TaskConfig
+from opd_exp.errors import ConfigError
+from opd_exp.tasks.base import Problem, Task, normalize_number
+
+MINI_PATH = Path(__file__).resolve().parent.parent / "data" / "gsm8k_mini.jsonl"
+EMBEDDED_FILES = {"embedded:gsm8k_mini": MINI_PATH}
+SUFFIXES = (".jsonl", ".json", ".parquet")
+ALLOWED = "a local .jsonl/.parquet file or folder, a path with {split}, a hub id like 'openai/gsm8k' (needs `datasets`), or 'embedded:gsm8k_mini'"
+
+
+def row_to_problem(row: dict, where: str, instruction: str = "") -> Problem:
+    """One GSM8K row as a Problem (the answer is the number after the last ``####``)."""
+    question, answer = row.get("question"), row.get("answer")
+    if not isinstance(question, str) or not isinstance(answer, str) or "####" not in answer:
+        raise ConfigError(f"task.path: {where} is not a GSM8K row (need 'question' and an 'answer' ending in '#### <n>'); allowed: {ALLOWED}")
+    final = normalize_number(answer.rsplit("####", 1)[1])
+    if final is None:
+        raise ConfigError(f"task.path: {where} has a final answer that is not a number ({answer.rsplit('####', 1)[1].strip()!r}); allowed: '#### <number>'")
+    prompt = question.strip() + (f"\n{instruction}" if instruction else "")
+    return Problem(prompt=prompt, answer=final, solution=answer.strip())
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Rows of a .jsonl, .json (a list) or .parquet file."""
+    if path.suffix == ".parquet":
+        try:
+            import pyarrow.parquet as pq
+        except ImportError:
+            raise ConfigError(f"task.path: {str(path)!r} is parquet but `pyarrow` is not installed; allowed: a .jsonl file, or `pip install pyarrow`") from None
+        return pq.read_table(path).to_pylist()
+    text = path.read_text(encoding="utf-8")
+    if path.suffix == ".json":
+        return list(json.loads(text))
+    rows = []
+    for n, line in enumerate(text.splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                raise ConfigError(f"task.path: {path}:{n} is not valid JSON; allowed: one JSON object per line") from None
+    return rows
+
+
+def _split_files(folder: Path, split: str) -> list[Path]:
+    return sorted(p for p in folder.rglob(f"{split}*") if p.suffix in SUFFIXES and p.is_file())
+
+
+def _load_hub(cfg: TaskConfig, split: str) -> list[dict]:
+    try:
+        import datasets
+    except ImportError:
+        raise ConfigError(f"task.path: {cfg.path!r} is read from the HF hub but `datasets` is not installed; allowed: {ALLOWED} (or `pip install datasets`)") from None
+    try:
+        return list(datasets.load_dataset(cfg.path, cfg.hub_config, split=split))
+    except Exception as exc:  # offline, unknown id, unknown split, ...
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"task.path: cannot load {cfg.path!r} (config {cfg.hub_config!r}, split {split!r}) from the hub: {reason[:160]}; allowed: {ALLOWED}") from None
+
+
+class GSM8KTask(Task):
+    name = "gsm8k"
+
+    def __init__(self, cfg: Optional[TaskConfig] = None):
+        self.cfg = cfg or TaskConfig(name="gsm8k", path="embedded:gsm8k_mini")
+        if not self.cfg.path:
+            raise ConfigError(f"task.path: got {self.cfg.path!r}; allowed: {ALLOWED}")
+
+    def _convert(self, rows: list[dict], where: str) -> list[Problem]:
+        return [row_to_problem(r, f"{where} row {i}", self.cfg.instruction) for i, r in enumerate(rows)]
+
+    @cached_property
+    def _splits(self) -> tuple[list[Problem], list[Problem]]:
+        cfg = self.cfg
+        path = str(EMBEDDED_FILES.get(cfg.path, cfg.path))
+        if "{split}" in path:
+            train = self._file(Path(path.format(split=cfg.train_split)))
+            evals = self._file(Path(path.format(split=cfg.eval_split)))
+        elif Path(path).expanduser().is_dir():
+            folder = Path(path).expanduser()
+            train, evals = [], []
+            for split, out in ((cfg.train_split, train), (cfg.eval_split, evals)):
+                files = _split_files(folder, split)
+                if not files:
+                    raise ConfigError(f"task.path: folder {path!r} has no {split}*.jsonl/.parquet file for split {split!r}; allowed: {ALLOWED}")
+                for f in files:
+                    out.extend(self._file(f))
+        elif Path(path).expanduser().is_file():
+            # One file: a fixed, seeded share becomes the eval set, the rest is for training.
+            problems = self._file(Path(path).expanduser())
+            order = list(range(len(problems)))
+            random.Random(f"gsm8k-eval-{cfg.eval_seed}").shuffle(order)
+            n_eval = cfg.n_eval or max(1, len(problems) // 5)
+            if n_eval >= len(problems):
+                raise ConfigError(f"task.n_eval: got {cfg.n_eval} but {path!r} has only {len(problems)} problems; allowed: fewer than {len(problems)} (0 = a fifth)")
+            evals = [problems[i] for i in order[:n_eval]]
+            train = [problems[i] for i in order[n_eval:]]
+        elif Path(path).suffix in SUFFIXES or path.startswith(("/", ".", "~")):
+            raise ConfigError(f"task.path: file {path!r} does not exist; allowed: {ALLOWED}")
+        else:
+            train = self._convert(_load_hub(cfg, cfg.train_split), f"{cfg.path}:{cfg.train_split}")
+            evals = self._convert(_load_hub(cfg, cfg.eval_split), f"{cfg.path}:{cfg.eval_split}")
+        if cfg.n_eval:
+            evals = evals[: cfg.n_eval]
+        # Training order is drawn by task.seed; the eval order stays as stored.
+        random.Random(f"gsm8k-train-{cfg.seed}").shuffle(train)
+        if cfg.n_train:
+            train = train[: cfg.n_train]
+        return train, evals
+
+    def _file(self, path: Path) -> list[Problem]:
+        if not path.is_file():
+            raise ConfigError(f"task.path: file {str(path)!r} does not exist; allowed: {ALLOWED}")
+        if path.suffix not in SUFFIXES:
+            raise ConfigError(f"task.path: {str(path)!r} has suffix {path.suffix!r}; allowed: {', '.join(SUFFIXES)}")
+        return self._convert(read_rows(path), str(path))
+
+    def train_problems(self) -> list[Problem]:
+        return list(self._splits[0])
+
+    def eval_problems(self) -> list[Problem]:
+        return list(self._splits[1])

@@ -1,0 +1,111 @@
+"""Supervised fine-tuning on worked solutions: how the embedded teacher and student are made.
+
+One readable loop: right-padded batches of prompt + solution + EOS, cross-entropy on the
+solution tokens only, AdamW with linear warm-up and cosine decay.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from opd_exp.tasks.base import Problem, render_prompt
+from opd_exp.tasks.evaluate import evaluate_accuracy, generate_greedy  # noqa: F401  (re-exported)
+
+
+def encode_sft(tokenizer: Any, problems: Sequence[Problem]):
+    """(ids, loss_mask, lengths): right-padded ``prompt + solution + EOS``; mask marks solution+EOS."""
+    import torch
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    # Prompt and solution are tokenized apart so the loss mask falls exactly on the solution.
+    prompts = tokenizer([render_prompt(p.prompt, tokenizer) for p in problems], add_special_tokens=False)
+    targets = tokenizer([p.solution for p in problems], add_special_tokens=False)
+    rows, masks = [], []
+    for prompt, target in zip(prompts["input_ids"], targets["input_ids"]):
+        target = target + [tokenizer.eos_token_id]
+        rows.append(prompt + target)
+        masks.append([0] * len(prompt) + [1] * len(target))
+    width = max(len(r) for r in rows)
+    ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], dtype=torch.long)
+    mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.bool)
+    lengths = torch.tensor([len(r) for r in rows])
+    return ids, mask, lengths
+
+
+def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
+    """Linear warm-up to ``lr`` over ``warmup`` steps, then cosine decay to lr/10."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+
+
+def sft_train(
+    model: Any,
+    tokenizer: Any,
+    problems: Sequence[Problem],
+    *,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int = 0,
+    warmup_frac: float = 0.05,
+    weight_decay: float = 0.01,
+    progress: bool | str = False,
+    on_step: Optional[Callable[[int, float], None]] = None,
+) -> dict:
+    """Train ``model`` in place for ``steps`` steps; returns ``{"loss", "steps", "seconds"}``.
+
+    ``progress`` shows a tqdm bar (a string is used as its label). Right padding needs no
+    attention mask: with causal attention, padding after a sequence never influences it.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    started = time.perf_counter()
+    if steps <= 0:
+        return {"loss": float("nan"), "steps": 0, "seconds": 0.0}
+    ids, mask, lengths = encode_sft(tokenizer, problems)
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=weight_decay)
+    warmup = max(1, int(warmup_frac * steps))
+    model.train()
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, desc=progress if isinstance(progress, str) else "SFT", unit="step")
+    order = torch.randperm(len(ids), generator=gen)
+    cursor = 0
+    ema = None
+    for step in range(steps):
+        if cursor + batch_size > len(order):  # new epoch: reshuffle
+            order = torch.randperm(len(ids), generator=gen)
+            cursor = 0
+        idx = order[cursor: cursor + batch_size]
+        cursor += batch_size
+        width = int(lengths[idx].max())
+        x, m = ids[idx, :width], mask[idx, :width]
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, steps, lr, warmup)
+        logits = model(input_ids=x).logits
+        # Logits at position i predict token i+1.
+        loss = F.cross_entropy(logits[:, :-1][m[:, 1:]], x[:, 1:][m[:, 1:]])
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        value = loss.item()
+        ema = value if ema is None else 0.95 * ema + 0.05 * value
+        if on_step is not None:
+            on_step(step, value)
+        if bar is not None:
+            bar.update(1)
+            if step % 20 == 0:
+                bar.set_postfix(loss=f"{ema:.3f}")
+    if bar is not None:
+        bar.close()
+    model.eval()
+    return {"loss": ema, "steps": steps, "seconds": time.perf_counter() - started}
