@@ -1,7 +1,6 @@
 """`opd-compare` on synthetic multiruns (and, marked slow, on a real tiny opd-train multirun)."""
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -71,13 +70,10 @@ def test_one_line_errors(tmp_path, capsys):
 @pytest.mark.slow
 def test_compare_on_a_real_tiny_multirun(tmp_path):
     """opd-train -m on the embedded default, 2 variants x 2 seeds x 2 steps, then opd-compare."""
-    exe = shutil.which("opd-train")
-    if exe is None:
-        pytest.skip("opd-train is not installed (pip install -e .)")
     sweep = tmp_path / "sweep"
     env = {**os.environ, "WANDB_MODE": "offline", "HYDRA_FULL_ERROR": "1"}
     cmd = [
-        exe, "-m", "divergence=rkl,jsd", "seed=0,1", "logger=none",
+        sys.executable, "-m", "opd_exp.train", "-m", "divergence=rkl,jsd", "seed=0,1", "logger=none",
         "trainer.max_steps=2", "trainer.batch_size=2", "trainer.eval_size=4", "trainer.progress=false",
         f"hydra.sweep.dir={sweep}",
     ]
