@@ -24,7 +24,7 @@ from opd_exp.config.world import (
 from opd_exp.errors import ConfigError
 from opd_exp.world import cache
 from opd_exp.world.arithmetic import ArithmeticSpec, eval_split, train_split
-from opd_exp.world.tokenizer import CHARSET, load_tokenizer, save_tokenizer
+from opd_exp.world.tokenizer import SPECIAL_TOKENS, TOKENIZER_CLASS, load_tokenizer, save_tokenizer
 
 log = logging.getLogger("opd_exp.world")
 
@@ -59,7 +59,7 @@ def _spec(task: TaskConfig) -> ArithmeticSpec:
 
 
 def tokenizer_key() -> dict:
-    return {"world_version": WORLD_VERSION, "charset": CHARSET}
+    return {"world_version": WORLD_VERSION, "kind": "bytes", "special_tokens": SPECIAL_TOKENS, "class": TOKENIZER_CLASS}
 
 
 def model_key(role: str, pair: EmbeddedPairConfig, task: TaskConfig) -> dict:
