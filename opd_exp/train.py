@@ -25,14 +25,32 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
     typed = OmegaConf.to_object(cfg)
     if not isinstance(typed, TrainConfig):
         raise ConfigError(f"config root is {type(typed).__name__}; allowed: a TrainConfig (conf/train.yaml)")
+    _reject_unknown_keys(typed)
     return typed
+
+
+def _reject_unknown_keys(obj, prefix: str = "") -> None:
+    """`+key=value` slips past the schema (OmegaConf sets it as an attribute): refuse it."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(obj):
+        return
+    names = [f.name for f in dataclasses.fields(obj)]
+    for key in vars(obj):
+        if key not in names:
+            raise ConfigError(f"{prefix}{key}: unknown key; allowed: {', '.join(names)}")
+    for name in names:
+        _reject_unknown_keys(getattr(obj, name), f"{prefix}{name}.")
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="train")
 def _app(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
 
-    typed = to_train_config(cfg)
+    try:
+        typed = to_train_config(cfg)
+    except ConfigError as ex:  # exit here: Hydra would add its own "Error executing job" line
+        _fail(ex)
     run_dir = Path(HydraConfig.get().runtime.output_dir)  # never chdir: paths stay the user's
     from opd_exp.trainer import Trainer  # heavy imports only after the config is known good
 
@@ -61,6 +79,11 @@ def _one_line(ex: BaseException) -> str:
     return " -- ".join(p for p in parts if p) or type(ex).__name__
 
 
+def _fail(ex: BaseException) -> None:
+    print(f"opd-train: error: {_one_line(ex)}", file=sys.stderr)
+    sys.exit(2)
+
+
 def main() -> None:
     """Console entry point."""
     from hydra.errors import HydraException
@@ -73,8 +96,7 @@ def main() -> None:
     except (ConfigError, HydraException, OmegaConfBaseException) as ex:
         if user_wants_full:
             raise
-        print(f"opd-train: error: {_one_line(ex)}", file=sys.stderr)
-        sys.exit(2)
+        _fail(ex)
     finally:
         if not user_wants_full:
             os.environ.pop("HYDRA_FULL_ERROR", None)

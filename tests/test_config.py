@@ -76,6 +76,8 @@ def test_trinity_jsd_example_settings():
         (["loss=ppo", "estimator=topk"], "estimator.name", "topk"),
         (["loss=direct", "loss.credit=sequence"], "loss.credit", "sequence"),
         (["divergence=rkl", "divergence.clip=5"], "divergence.clip", "5"),
+        (["+foo=1"], "foo", "unknown key"),
+        (["+trainer.bar=2"], "trainer.bar", "unknown key"),
     ],
 )
 def test_bad_values_fail_with_one_line(overrides, key, value):
@@ -103,6 +105,7 @@ def _cli(*args, tmp_path):
         (["trainer.lr=abc"], "trainer.lr"),
         (["divergence.name=nope"], "nope"),
         (["loss=direct", "estimator=sampled"], "loss.name='direct'"),
+        (["+foo=1"], "foo: unknown key"),
     ],
 )
 def test_cli_config_errors_are_one_line_and_exit_nonzero(args, needle, tmp_path):
