@@ -351,11 +351,11 @@ class Trainer:
                     return {}
             summary = self.summary()
             sink.summary(summary)
-            progress.write(self.summary_line(summary))
-            return summary
         finally:
             progress.close()
             sink.close()
+        print(self.summary_line(summary), flush=True)  # stdout: `opd-train | tail -1` is the result
+        return summary
 
     def summary(self) -> dict[str, Any]:
         before, after = self.state.get("eval_before", {}), self.state.get("eval_last", {})
