@@ -140,3 +140,49 @@ def test_build_task_and_config_errors():
         assert str(err.value).startswith(message), str(err.value)
     with pytest.raises(ConfigError, match=r"^model_pair\.dtype: got 'fp8'; allowed: float32 \| bfloat16 \| float16 \| auto$"):
         ModelPairConfig(dtype="fp8")
+
+
+def test_batched_greedy_eval_equals_one_by_one():
+    # Left padding must not change what a prompt generates; completions stop at EOS.
+    import torch
+
+    from opd_exp.config.world import EmbeddedModelConfig
+    from opd_exp.tasks.evaluate import evaluate_accuracy, generate_greedy
+    from opd_exp.world.models import build_model
+    from opd_exp.world.tokenizer import build_tokenizer
+
+    tok = build_tokenizer()
+    model = build_model(EmbeddedModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32), tok, 0)
+    with torch.no_grad():  # make EOS likely after a few tokens, so some rows stop early
+        model.lm_head.weight[tok.eos_token_id] += 0.3 * model.lm_head.weight[3 + ord("1")]
+    task = ArithmeticTask(TaskConfig(n_train=1, n_eval=12))
+    problems = task.eval_problems()
+    prompts = [task.render_prompt(p, tok) for p in problems]
+    assert len({len(p) for p in prompts}) > 1  # really different lengths
+    batched = generate_greedy(model, tok, prompts, batch_size=12, max_new_tokens=12)
+    single = [generate_greedy(model, tok, [p], batch_size=1, max_new_tokens=12)[0] for p in prompts]
+    assert batched == single
+    assert all("<eos>" not in c and "<pad>" not in c for c in batched)
+    model.train()
+    result = evaluate_accuracy(model, tok, task, problems, batch_size=5, max_new_tokens=12, return_completions=True)
+    assert model.training  # mode restored
+    assert result["n"] == 12 and result["completions"] == batched
+    assert result["accuracy"] == sum(task.verify(c, p.answer) for c, p in zip(batched, problems)) / 12
+
+
+def test_evaluate_accuracy_counts_answers_and_format():
+    class Scripted:
+        """A stand-in model is not needed: score a fixed list of completions."""
+
+    from opd_exp.tasks import evaluate as ev
+
+    task = ArithmeticTask(TaskConfig(n_train=1, n_eval=4))
+    problems = task.eval_problems()
+    outs = [problems[0].solution, "#### " + problems[1].answer, "#### 99999", "no answer"]
+    original = ev.generate_greedy
+    try:
+        ev.generate_greedy = lambda *a, **k: outs
+        result = ev.evaluate_accuracy(Scripted(), None, task, problems)
+    finally:
+        ev.generate_greedy = original
+    assert result == {"accuracy": 0.5, "format_rate": 0.75, "n": 4}

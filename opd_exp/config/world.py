@@ -66,14 +66,14 @@ class EmbeddedPairConfig:
     n_sft: int = 50000  # distinct-draw SFT problems (disjoint from the task's eval set)
     n_check: int = 200  # eval problems on which preparation measures accuracy (manifest)
     seed: int = 0  # seed of initial weights, SFT data and batch order
-    threads: int = 0  # torch CPU threads during preparation (0 = all cores); not in the key
+    threads: int = 0  # torch CPU threads during preparation (0 = auto: few, never more than idle cores); not in the key
 
     def __post_init__(self) -> None:
         self.teacher.check("model_pair.embedded.teacher")
         self.student.check("model_pair.embedded.student")
         _check(isinstance(self.n_sft, int) and self.n_sft >= 1, "model_pair.embedded.n_sft", self.n_sft, "an integer >= 1")
         _check(isinstance(self.n_check, int) and self.n_check >= 0, "model_pair.embedded.n_check", self.n_check, "an integer >= 0")
-        _check(isinstance(self.threads, int) and self.threads >= 0, "model_pair.embedded.threads", self.threads, "an integer >= 0 (0 = all cores)")
+        _check(isinstance(self.threads, int) and self.threads >= 0, "model_pair.embedded.threads", self.threads, "an integer >= 0 (0 = auto)")
 
 
 @dataclass

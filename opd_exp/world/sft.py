@@ -34,6 +34,27 @@ def encode_sft(tokenizer: Any, problems: Sequence[Problem]):
     return ids, mask, lengths
 
 
+def _length_bucketed_batches(lengths, batch_size: int, gen, group: int = 8) -> list:
+    """One epoch of random batches, each drawn from ``group`` batches' worth of similar lengths.
+
+    Padding to the longest row is wasted compute; sorting inside small random groups cuts
+    it by about a fifth while every batch stays a random sample.
+    """
+    import torch
+
+    order = torch.randperm(len(lengths), generator=gen)
+    batches = []
+    span = batch_size * group
+    for start in range(0, len(order) - batch_size + 1, span):
+        chunk = order[start: start + span]
+        chunk = chunk[torch.argsort(lengths[chunk], stable=True)]
+        batches.extend(chunk[i: i + batch_size] for i in range(0, len(chunk) - batch_size + 1, batch_size))
+    if not batches:  # fewer problems than one batch: use them all
+        batches = [order]
+    shuffle = torch.randperm(len(batches), generator=gen).tolist()
+    return [batches[i] for i in shuffle]
+
+
 def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
     """Linear warm-up to ``lr`` over ``warmup`` steps, then cosine decay to lr/10."""
     if step < warmup:
@@ -77,15 +98,12 @@ def sft_train(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=steps, desc=progress if isinstance(progress, str) else "SFT", unit="step")
-    order = torch.randperm(len(ids), generator=gen)
-    cursor = 0
+    batches: list = []
     ema = None
     for step in range(steps):
-        if cursor + batch_size > len(order):  # new epoch: reshuffle
-            order = torch.randperm(len(ids), generator=gen)
-            cursor = 0
-        idx = order[cursor: cursor + batch_size]
-        cursor += batch_size
+        if not batches:
+            batches = _length_bucketed_batches(lengths, batch_size, gen)
+        idx = batches.pop()
         width = int(lengths[idx].max())
         x, m = ids[idx, :width], mask[idx, :width]
         for group in opt.param_groups:
