@@ -169,3 +169,23 @@ def test_separate_tokenizer_key(pair_dir, tmp_path):
     assert result.tokenizer == str(tok_dir) and result.vocab_size == 259
     with pytest.raises(ConfigError, match=r"^model_pair\.tokenizer: local folder '/no/such/tok' does not exist"):
         preflight(_cfg(*pair_dir, tokenizer="/no/such/tok"))
+
+
+def test_group_files_compose_into_the_schema():
+    import os
+
+    from omegaconf import OmegaConf
+
+    from opd_exp.config.world import as_pair_config, as_task_config
+
+    conf = os.path.join(os.path.dirname(__file__), "..", "conf")
+    load = lambda group, name: OmegaConf.load(os.path.join(conf, group, f"{name}.yaml"))  # noqa: E731
+    seeds = as_pair_config(load("model_pair", "qwen2.5_1.5b_math7b"))
+    assert (seeds.student, seeds.teacher, seeds.dtype) == ("Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-Math-7B-Instruct", "bfloat16")
+    assert as_pair_config(load("model_pair", "qwen3")).teacher == "Qwen/Qwen3-8B"
+    assert as_pair_config(load("model_pair", "embedded")) == ModelPairConfig()
+    with pytest.raises(ConfigError, match=r"^model_pair\.student: got ''; allowed: .*set it on the command line"):
+        as_pair_config(load("model_pair", "local"))
+    assert as_task_config(load("task", "arithmetic")).max_digits == 2
+    gsm8k = as_task_config(load("task", "gsm8k"))
+    assert (gsm8k.name, gsm8k.path, gsm8k.eval_split) == ("gsm8k", "openai/gsm8k", "test")

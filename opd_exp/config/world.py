@@ -92,8 +92,9 @@ class ModelPairConfig:
         _check(self.dtype in DTYPES, "model_pair.dtype", self.dtype, " | ".join(DTYPES))
         for key in ("student", "teacher"):
             v = getattr(self, key)
-            _check(isinstance(v, str) and v.strip() != "", f"model_pair.{key}", v,
-                   "a hub id, a local folder or 'embedded:student' / 'embedded:teacher'")
+            # "???" is OmegaConf's "must be set" marker (conf/model_pair/local.yaml).
+            _check(isinstance(v, str) and v.strip() not in ("", "???"), f"model_pair.{key}", v,
+                   "a hub id, a local folder or 'embedded:student' / 'embedded:teacher' (set it on the command line)")
 
 
 @dataclass
