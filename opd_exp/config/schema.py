@@ -225,8 +225,9 @@ class TrainerConfig:
     device: str = "auto"
     # autocast precision of forward passes
     precision: Precision = Precision.fp32
-    # CPU threads for torch (0: leave torch's default)
-    num_threads: int = 0
+    # CPU threads for torch (0: torch's default). 1 by default: the embedded models' ops are
+    # too small to split, and on a shared machine extra threads spin (measured 30x slower)
+    num_threads: int = 1
     # console progress bar
     progress: bool = True
 
