@@ -170,19 +170,11 @@ def test_batched_greedy_eval_equals_one_by_one():
     assert result["accuracy"] == sum(task.verify(c, p.answer) for c, p in zip(batched, problems)) / 12
 
 
-def test_evaluate_accuracy_counts_answers_and_format():
-    class Scripted:
-        """A stand-in model is not needed: score a fixed list of completions."""
-
+def test_evaluate_accuracy_counts_answers_and_format(monkeypatch):
     from opd_exp.tasks import evaluate as ev
 
     task = ArithmeticTask(TaskConfig(n_train=1, n_eval=4))
     problems = task.eval_problems()
     outs = [problems[0].solution, "#### " + problems[1].answer, "#### 99999", "no answer"]
-    original = ev.generate_greedy
-    try:
-        ev.generate_greedy = lambda *a, **k: outs
-        result = ev.evaluate_accuracy(Scripted(), None, task, problems)
-    finally:
-        ev.generate_greedy = original
-    assert result == {"accuracy": 0.5, "format_rate": 0.75, "n": 4}
+    monkeypatch.setattr(ev, "generate_greedy", lambda *a, **k: outs)  # score fixed completions
+    assert ev.evaluate_accuracy(object(), None, task, problems) == {"accuracy": 0.5, "format_rate": 0.75, "n": 4}

@@ -16,21 +16,23 @@ from opd_exp.tasks.evaluate import evaluate_accuracy, generate_greedy  # noqa: F
 
 def encode_sft(tokenizer: Any, problems: Sequence[Problem]):
     """(ids, loss_mask, lengths): right-padded ``prompt + solution + EOS``; mask marks solution+EOS."""
+    import itertools
+
     import torch
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     # Prompt and solution are tokenized apart so the loss mask falls exactly on the solution.
-    prompts = tokenizer([render_prompt(p.prompt, tokenizer) for p in problems], add_special_tokens=False)
-    targets = tokenizer([p.solution for p in problems], add_special_tokens=False)
-    rows, masks = [], []
-    for prompt, target in zip(prompts["input_ids"], targets["input_ids"]):
-        target = target + [tokenizer.eos_token_id]
-        rows.append(prompt + target)
-        masks.append([0] * len(prompt) + [1] * len(target))
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([r + [pad_id] * (width - len(r)) for r in rows], dtype=torch.long)
-    mask = torch.tensor([m + [0] * (width - len(m)) for m in masks], dtype=torch.bool)
+    prompts = tokenizer([render_prompt(p.prompt, tokenizer) for p in problems], add_special_tokens=False)["input_ids"]
+    targets = tokenizer([p.solution for p in problems], add_special_tokens=False)["input_ids"]
+    eos = [tokenizer.eos_token_id]
+    rows = [p + t + eos for p, t in zip(prompts, targets)]
     lengths = torch.tensor([len(r) for r in rows])
+    prompt_lengths = torch.tensor([len(p) for p in prompts])
+    cols = torch.arange(int(lengths.max()))[None, :]
+    inside = cols < lengths[:, None]
+    ids = torch.full(inside.shape, pad_id, dtype=torch.long)
+    ids[inside] = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.long)  # row-major fill
+    mask = inside & (cols >= prompt_lengths[:, None])
     return ids, mask, lengths
 
 
