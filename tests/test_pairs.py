@@ -189,3 +189,19 @@ def test_group_files_compose_into_the_schema():
     assert as_task_config(load("task", "arithmetic")).max_digits == 2
     gsm8k = as_task_config(load("task", "gsm8k"))
     assert (gsm8k.name, gsm8k.path, gsm8k.eval_split) == ("gsm8k", "openai/gsm8k", "test")
+
+
+def test_embedded_pair_loads_through_the_same_path(tmp_path, monkeypatch):
+    from opd_exp.config.world import EmbeddedPairConfig, TaskConfig
+
+    monkeypatch.setenv("OPD_EXP_CACHE", str(tmp_path))
+    tiny = dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, sft_steps=3, batch_size=4)
+    cfg = ModelPairConfig(embedded=EmbeddedPairConfig(teacher=EmbeddedModelConfig(**tiny), student=EmbeddedModelConfig(**tiny),
+                                                      n_sft=16, n_check=4, threads=1))
+    task = TaskConfig(n_train=5, n_eval=10)
+    student_path, teacher_path = resolve_pair(cfg, task, progress=False)
+    assert Path(student_path).parent == tmp_path and Path(teacher_path).name.startswith("embedded-teacher-")
+    pair = load_pair(cfg, task)
+    assert (pair.student_path, pair.teacher_path) == (student_path, teacher_path)
+    assert pair.vocab_size == len(pair.tokenizer) == 259 and pair.tokenizer.pad_token_id == 0
+    assert not pair.teacher.training and pair.student.training
