@@ -43,7 +43,11 @@ def _reject_unknown_keys(obj, prefix: str = "") -> None:
         _reject_unknown_keys(getattr(obj, name), f"{prefix}{name}.")
 
 
-@hydra.main(version_base="1.3", config_path="../conf", config_name="train")
+# An absolute path: as a console script, Hydra would resolve "../conf" as a module and fail.
+CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
 def _app(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
 
