@@ -71,38 +71,57 @@ class JsonlSink(Sink):
 
 
 class WandbSink(Sink):
-    """Weights & Biases; offline by default. The run id is kept in the run folder so a
-    resumed run continues the same W&B run."""
+    """Weights & Biases (offline by default); the glue lives in ``opd_exp.tracking``.
 
-    def __init__(self, run_dir: Path, *, project: str, entity=None, group=None, job_type=None, tags=(), mode="offline", name=None, config=None):
-        import wandb
+    The run lives in ``<run_dir>/wandb/``; its id is kept in ``<run_dir>/wandb_id.txt`` so a
+    resumed run continues the same W&B run. Every metric is charted against ``step`` (the
+    training step, logged with each row), so a resumed run's rows are never dropped. Closing
+    while an exception propagates finishes the run as failed (exit code 1).
+    """
 
-        id_file = Path(run_dir) / "wandb_id.txt"
-        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
-        id_file.write_text(run_id)
-        self._run = wandb.init(
-            project=project,
-            entity=entity,
-            group=group,
-            job_type=job_type,
-            tags=list(tags) or None,
-            mode=mode,
-            name=name,
-            id=run_id,
-            resume="allow",
-            dir=str(run_dir),
-            config=config,
+    def __init__(self, run_dir: Path, *, project: str = "opd-exp", entity=None, group=None, job_type=None, tags=(),
+                 mode="offline", name=None, config=None, on_error: str = "fail", overrides=None):
+        from opd_exp import tracking
+
+        run_dir = Path(run_dir)
+        job = tracking.hydra_job()
+        config = tracking.scrub(tracking.plain_config(config or {}))
+        overrides = job.overrides if overrides is None else list(overrides)
+        run_id = tracking.read_run_id(run_dir) or uuid.uuid4().hex[:12]
+        self._run = tracking.start_run(
+            run_dir, project=project, entity=entity, group=tracking.run_group(group, job), job_type=job_type,
+            tags=tracking.run_tags(tags, overrides, config.get("divergence")), mode=mode, on_error=on_error,
+            name=name or (run_dir.name if job.multirun else None), config=config, run_id=run_id,
         )
+        (run_dir / "wandb_id.txt").write_text(self._run.id)
+        tracking.define_metrics(self._run)
+        self._tracked = set(tracking.SUMMARIES)
+
+    @classmethod
+    def from_config(cls, cfg, run_dir: Path, **kw) -> "WandbSink":
+        """From a TrainConfig: its ``logger`` group and the whole config as the run config."""
+        lg = cfg.logger
+        return cls(run_dir, project=lg.project, entity=lg.entity, group=lg.group, job_type=lg.job_type, tags=lg.tags,
+                   mode=lg.mode, name=cfg.name, config=cfg, on_error=getattr(lg, "on_error", "fail"), **kw)
+
+    @property
+    def run(self):
+        return self._run
 
     def log(self, metrics, step):
-        self._run.log(_clean(metrics), step=step)
+        self._run.log({**_clean(metrics), "step": step})
 
     def summary(self, values):
         for k, v in _clean(values).items():
-            self._run.summary[k] = v
+            if k not in self._tracked:  # those keep their own best/last values
+                self._run.summary[k] = v
 
     def close(self):
-        self._run.finish()
+        if self._run is None:
+            return
+        failed = sys.exc_info()[0] is not None  # called from a `finally` during an exception
+        run, self._run = self._run, None
+        run.finish(exit_code=1 if failed else 0)
 
 
 class MultiSink(Sink):

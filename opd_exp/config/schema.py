@@ -260,9 +260,12 @@ class LoggerConfig:
     tags: list[str] = field(default_factory=list)
     # offline: no network; online; disabled
     mode: str = "offline"
+    # when W&B cannot start (bad key, no network, disk full): fail (one line, exit 2) | offline
+    on_error: str = "fail"
 
     def __post_init__(self) -> None:
         _check(self.mode in ("offline", "online", "disabled"), "logger.mode", self.mode, "offline, online, disabled")
+        _check(self.on_error in ("fail", "offline"), "logger.on_error", self.on_error, "fail, offline")
 
 
 @dataclass

@@ -1,0 +1,236 @@
+"""W&B glue for opd-train: which run, group, tags and config a job gets, and how W&B starts.
+
+Never imports models or the trainer. What it decides for one job:
+
+- **config**: the resolved, validated config as a plain dict (enums by value), with anything
+  that looks like a secret redacted (``scrub``).
+- **group**: ``logger.group`` if set (each file in ``sweeps/`` sets it to the sweep's name),
+  else, in a multirun, the multirun folder (``multirun/2025-01-01/12-00-00``); a single run
+  has no group.
+- **tags**: ``logger.tags``, then the job's Hydra overrides (``divergence=jsd``,
+  ``divergence.beta=0.5``, ``seed=1``; ``hydra.*``/``logger.*`` left out), then the
+  divergence it ran (``divergence=jsd``, ``divergence.beta=0.5``) so runs of a sweep that
+  picks divergences through another key still carry them. ``opd_exp.analysis.load_wandb``
+  reads ``key=value`` tags back as overrides.
+- **name**: ``name`` if set, else the job's folder name.
+- **id**: kept in ``<run folder>/wandb_id.txt``: running again in the same folder (a resume)
+  continues the same W&B run.
+- **where**: ``<run folder>/wandb/``.
+- **start-up failure** (bad key, no network online, disk full): ``logger.on_error=fail`` stops
+  with one line (``TrackingError``); ``offline`` warns in one line and logs offline instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+from opd_exp.errors import ConfigError
+
+REDACTED = "<redacted>"
+# config keys and environment variables whose values are credentials
+SECRET_NAME = re.compile(r"(api[_-]?key|token|secret|password|passwd|credential)", re.IGNORECASE)
+MAX_TAG = 64  # W&B's limit on one tag
+
+# Summary of a metric in W&B: "last" unless listed (best value and last value for eval curves).
+SUMMARIES = {
+    "eval/accuracy": "max,last",
+    "eval/kl_reverse": "min,last",
+    "eval/kl_forward": "min,last",
+    "eval/jsd": "min,last",
+}
+STEP_METRIC = "step"  # training step: the x axis of every chart, train and eval alike
+
+
+class TrackingError(ConfigError):
+    """W&B could not start and ``logger.on_error=fail``: one line, exit code 2."""
+
+
+# -- secrets --------------------------------------------------------------------
+
+
+def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Values of credential-like environment variables (WANDB_API_KEY, HF_TOKEN, ...)."""
+    env = os.environ if environ is None else environ
+    return sorted({v for k, v in env.items() if SECRET_NAME.search(k) and len(v) >= 8}, key=len, reverse=True)
+
+
+def scrub(obj: Any, secrets: Iterable[str] | None = None) -> Any:
+    """A copy of ``obj`` (dicts, lists, strings) with credentials replaced by ``<redacted>``:
+    values under a credential-like key, and any occurrence of a credential-like env value."""
+    secrets = list(secret_values() if secrets is None else secrets)
+
+    def clean(x, key: str = ""):
+        if isinstance(x, Mapping):
+            return {k: (REDACTED if SECRET_NAME.search(str(k)) and v not in (None, "") else clean(v, str(k))) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return type(x)(clean(v) for v in x)
+        if isinstance(x, str):
+            for s in secrets:
+                x = x.replace(s, REDACTED)
+            name, sep, value = x.partition("=")  # an override `logger.api_key=...`
+            if sep and SECRET_NAME.search(name) and value:
+                return f"{name}={REDACTED}"
+        return x
+
+    return clean(obj)
+
+
+def plain_config(cfg: Any) -> Any:
+    """A (nested) config dataclass as JSON-able dicts and lists; enums by value."""
+    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
+        return {f.name: plain_config(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
+    if isinstance(cfg, enum.Enum):
+        return cfg.value
+    if isinstance(cfg, (list, tuple)):
+        return [plain_config(v) for v in cfg]
+    if isinstance(cfg, Mapping):
+        return {k: plain_config(v) for k, v in cfg.items()}
+    return cfg
+
+
+# -- what Hydra knows about the job -------------------------------------------------
+
+
+@dataclass
+class JobInfo:
+    """The Hydra job a run belongs to (empty when not run through Hydra)."""
+
+    overrides: list[str] = field(default_factory=list)  # the job's task overrides, in order
+    multirun: bool = False
+    sweep_dir: str | None = None  # hydra.sweep.dir, for a multirun
+    sweep: str | None = None  # the `sweep=` choice, if any
+    job_num: int | None = None
+
+
+def hydra_job() -> JobInfo:
+    """What the running Hydra job says about itself; an empty JobInfo outside Hydra."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if not HydraConfig.initialized():
+            return JobInfo()
+        hc = HydraConfig.get()
+    except Exception:  # pragma: no cover - Hydra missing or half set up
+        return JobInfo()
+    multirun = hc.mode == RunMode.MULTIRUN
+    return JobInfo(
+        overrides=list(hc.overrides.task),
+        multirun=multirun,
+        sweep_dir=str(hc.sweep.dir) if multirun else None,
+        sweep=hc.runtime.choices.get("sweep"),
+        job_num=hc.job.get("num") if multirun else None,
+    )
+
+
+def _override_tag(override: str) -> str | None:
+    o = override.lstrip("+~")
+    if o.startswith(("hydra.", "hydra/", "logger.", "logger=")):
+        return None
+    return o
+
+
+def run_tags(user_tags: Iterable[str], overrides: Iterable[str], divergence: Mapping[str, Any] | None = None) -> list[str]:
+    """logger.tags + the job's overrides + the divergence it ran; each <= 64 chars, no repeats."""
+    tags = list(user_tags)
+    tags += [t for t in map(_override_tag, overrides) if t]
+    if divergence:
+        name = divergence.get("name")
+        tags.append(f"divergence={name}")
+        for key in {"jsd": ("beta",), "skl": ("alpha",), "srkl": ("alpha",), "fkl": ("clip",)}.get(name, ()):
+            if divergence.get(key) is not None:
+                tags.append(f"divergence.{key}={divergence[key]}")
+    out: list[str] = []
+    for t in scrub(tags):
+        t = str(t)[:MAX_TAG]
+        if t and t not in out:
+            out.append(t)
+    return out
+
+
+def run_group(group: str | None, job: JobInfo) -> str | None:
+    """logger.group; else the multirun folder for a multirun; else none."""
+    if group:
+        return group
+    if job.multirun and job.sweep_dir:
+        sweep_dir = Path(job.sweep_dir)
+        try:
+            sweep_dir = sweep_dir.resolve().relative_to(Path.cwd().resolve())
+        except ValueError:
+            pass
+        return str(sweep_dir)[-128:]
+    return None
+
+
+# -- starting W&B -----------------------------------------------------------------
+
+
+def _one_line(ex: BaseException) -> str:
+    text = " ".join(str(ex).split()) or type(ex).__name__
+    return scrub(text)[:300]
+
+
+def read_run_id(run_dir: Path) -> str | None:
+    f = Path(run_dir) / "wandb_id.txt"
+    return f.read_text().strip() or None if f.is_file() else None
+
+
+def start_run(
+    run_dir: Path,
+    *,
+    project: str,
+    entity: str | None,
+    group: str | None,
+    job_type: str | None,
+    tags: list[str],
+    mode: str,
+    on_error: str,
+    name: str | None,
+    config: Mapping[str, Any],
+    run_id: str,
+    warn=None,
+):
+    """``wandb.init`` in ``<run_dir>/wandb`` with ``id=run_id`` (resumed if it exists); on
+    failure, fail or fall back to offline as ``on_error`` says. Returns the wandb Run."""
+    import wandb
+
+    warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
+    run_dir = Path(run_dir)
+    (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
+
+    def init(m: str):
+        return wandb.init(
+            project=project, entity=entity, group=group, job_type=job_type, tags=tags or None,
+            mode=m, name=name, id=run_id, resume="allow", dir=str(run_dir), config=dict(config),
+        )
+
+    try:
+        return init(mode)
+    except Exception as ex:  # bad key, no network, disk full, ...
+        why = _one_line(ex)
+        if mode == "offline" or on_error != "offline":
+            raise TrackingError(
+                f"logger=wandb could not start (logger.mode={mode}): {why}; allowed: fix it, or run with "
+                f"logger.mode=offline, logger.on_error=offline or logger=none (metrics.jsonl is written in every case)"
+            ) from None
+        warn(f"opd-train: warning: W&B could not start (logger.mode={mode}): {why}; logging offline to "
+             f"{run_dir / 'wandb'} instead (upload later with `wandb sync`)")
+    try:
+        return init("offline")
+    except Exception as ex:
+        raise TrackingError(f"logger=wandb could not start offline either: {_one_line(ex)}; allowed: logger=none") from None
+
+
+def define_metrics(run) -> None:
+    """Every metric on the training-step axis; best and last values for the eval curves."""
+    run.define_metric(STEP_METRIC)
+    for key, summary in SUMMARIES.items():
+        run.define_metric(key, step_metric=STEP_METRIC, summary=summary)
+    run.define_metric("*", step_metric=STEP_METRIC)
