@@ -56,9 +56,24 @@ def _app(cfg: DictConfig) -> float:
     except ConfigError as ex:  # exit here: Hydra would add its own "Error executing job" line
         _fail(ex)
     run_dir = Path(HydraConfig.get().runtime.output_dir)  # never chdir: paths stay the user's
+    sinks = []
+    if typed.logger.name.value == "wandb":  # start W&B before the models load: a failure stops at once
+        from opd_exp.sinks import WandbSink
+        from opd_exp.tracking import TrackingError
+
+        try:
+            sinks.append(WandbSink.from_config(typed, run_dir))
+        except TrackingError as ex:
+            _fail(ex)
     from opd_exp.trainer import Trainer  # heavy imports only after the config is known good
 
-    summary = Trainer(typed, run_dir).run()
+    try:
+        trainer = Trainer(typed, run_dir, sinks=sinks)
+    except BaseException:
+        for sink in sinks:
+            sink.close()  # inside the exception: the W&B run is marked failed
+        raise
+    summary = trainer.run()
     return float(summary.get("eval/kl_reverse", float("nan")))  # what a sweeper minimises
 
 

@@ -287,14 +287,10 @@ class Trainer:
     def _sinks(self, resume_step: int | None) -> Sink:
         sinks: list[Sink] = [JsonlSink(self.run_dir / "metrics.jsonl", resume_step=resume_step)]
         lg = self.cfg.logger
-        if lg.name is LoggerName.wandb:
-            sinks.append(
-                WandbSink(
-                    self.run_dir, project=lg.project, entity=lg.entity, group=lg.group, job_type=lg.job_type,
-                    tags=lg.tags, mode=lg.mode, name=self.cfg.name, config=config_dict(self.cfg),
-                )
-            )
-        sinks.extend(self._extra_sinks or [])
+        extra = list(self._extra_sinks or [])
+        if lg.name is LoggerName.wandb and not any(isinstance(s, WandbSink) for s in extra):
+            sinks.append(WandbSink.from_config(self.cfg, self.run_dir))  # opd-train passes one started early
+        sinks.extend(extra)
         return MultiSink(sinks)
 
     def _loop_state(self) -> dict[str, Any]:
