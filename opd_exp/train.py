@@ -16,8 +16,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from opd_exp.config import TrainConfig, register_configs
 from opd_exp.errors import ConfigError
+from opd_exp.searchpath import register as register_sweeps
 
 register_configs()
+register_sweeps()  # sweeps/ on Hydra's search path: `opd-train -m sweep=<name>`
 
 
 def to_train_config(cfg: DictConfig) -> TrainConfig:

@@ -1,0 +1,27 @@
+"""Adds the repository's ``sweeps/`` folder to Hydra's config search path.
+
+``sweeps/`` is a second config root next to ``conf/``: ``sweeps/sweep/<name>.yaml`` is the
+``sweep`` group (``opd-train -m sweep=divergence``), ``sweeps/variant/`` holds the variants a
+sweep picks by name. ``opd_exp.train`` registers the plugin when imported, so ``opd-train``,
+``python -m opd_exp.train`` and ``hydra.compose`` after ``import opd_exp.train`` all see it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hydra.core.config_search_path import ConfigSearchPath
+from hydra.core.plugins import Plugins
+from hydra.plugins.search_path_plugin import SearchPathPlugin
+
+SWEEPS_DIR = Path(__file__).resolve().parent.parent / "sweeps"
+
+
+class OpdSweepsSearchPath(SearchPathPlugin):
+    def manipulate_search_path(self, search_path: ConfigSearchPath) -> None:
+        search_path.append(provider="opd-exp-sweeps", path=f"file://{SWEEPS_DIR}")
+
+
+def register() -> None:
+    """Idempotent: Hydra keeps one entry per plugin class."""
+    Plugins.instance().register(OpdSweepsSearchPath)
