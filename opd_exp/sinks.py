@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 import uuid
@@ -87,7 +88,7 @@ class WandbSink(Sink):
         job = tracking.hydra_job()
         config = tracking.scrub(tracking.plain_config(config or {}))
         overrides = job.overrides if overrides is None else list(overrides)
-        run_id = tracking.read_run_id(run_dir) or uuid.uuid4().hex[:12]
+        run_id = tracking.read_run_id(run_dir) or os.environ.get("WANDB_RUN_ID") or uuid.uuid4().hex[:12]
         self._run = tracking.start_run(
             run_dir, project=project, entity=entity, group=tracking.run_group(group, job), job_type=job_type,
             tags=tracking.run_tags(tags, overrides, config.get("divergence")), mode=mode, on_error=on_error,
@@ -112,9 +113,8 @@ class WandbSink(Sink):
         self._run.log({**_clean(metrics), "step": step})
 
     def summary(self, values):
-        for k, v in _clean(values).items():
-            if k not in self._tracked:  # those keep their own best/last values
-                self._run.summary[k] = v
+        for k, v in _clean(values).items():  # a tracked key keeps its best/last values: its final one
+            self._run.summary[f"final/{k}" if k in self._tracked else k] = v  # goes to final/<key>
 
     def close(self):
         if self._run is None:

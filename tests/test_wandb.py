@@ -1,0 +1,253 @@
+"""W&B tracking: tags, group, scrubbing and start-up failures (fast), and offline runs of
+opd-train read back from the run folder with `wandb leet inspect` (slow): the same metric
+values as metrics.jsonl, the config, resume into the same run id, a multirun whose failing job
+is marked failed while the next job still runs, and no API key anywhere in the run folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import build_model
+from opd_exp import tracking
+
+FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"  # 40 hex chars, like a W&B key
+
+
+# -- fast --------------------------------------------------------------------------
+
+
+def test_scrub_redacts_keys_and_env_secrets():
+    cfg = {"logger": {"api_key": "sekrit-value", "project": "p"}, "note": f"key={FAKE_KEY} here", "tags": [FAKE_KEY],
+           "hf_token": None}
+    out = tracking.scrub(cfg, secrets=tracking.secret_values({"WANDB_API_KEY": FAKE_KEY, "HOME": "/root/home"}))
+    assert out == {"logger": {"api_key": "<redacted>", "project": "p"}, "note": "key=<redacted> here",
+                   "tags": ["<redacted>"], "hf_token": None}
+    assert tracking.scrub(["logger.api_key=abc", "divergence=jsd"], secrets=[]) == ["logger.api_key=<redacted>", "divergence=jsd"]
+
+
+def test_tags_are_the_overrides_and_the_divergence():
+    tags = tracking.run_tags(
+        ["mine"], ["sweep=divergence", "+variant=jsd_0.5", "seed=1", "hydra.launcher.n_jobs=2", "logger.mode=online",
+                   "model_pair.student=/a/" + "x" * 100],
+        {"name": "jsd", "beta": 0.5, "alpha": 0.1},
+    )
+    assert tags[:4] == ["mine", "sweep=divergence", "variant=jsd_0.5", "seed=1"]
+    assert tags[-2:] == ["divergence=jsd", "divergence.beta=0.5"]
+    assert all(len(t) <= 64 for t in tags) and not any(t.startswith(("hydra", "logger")) for t in tags)
+    # an override that is also derived appears once
+    assert tracking.run_tags([], ["divergence=rkl"], {"name": "rkl", "beta": 0.5}) == ["divergence=rkl"]
+
+
+def test_group_is_the_config_or_the_multirun_folder():
+    multirun = tracking.JobInfo(multirun=True, sweep_dir="multirun/2025-01-01/12-00-00")
+    assert tracking.run_group("divergence", multirun) == "divergence"
+    assert tracking.run_group(None, multirun) == "multirun/2025-01-01/12-00-00"
+    assert tracking.run_group(None, tracking.JobInfo()) is None
+
+
+def _init_args(tmp_path, **kw):
+    args = dict(project="opd-exp-test", entity=None, group=None, job_type="train", tags=[], mode="online",
+                on_error="fail", name=None, config={"seed": 0}, run_id="abcdef123456")
+    args.update(kw)
+    return args
+
+
+def test_start_failure_stops_with_one_line_or_falls_back(tmp_path, monkeypatch):
+    import wandb
+
+    modes = []
+
+    def fake_init(**kw):
+        modes.append(kw["mode"])
+        if kw["mode"] == "online":
+            raise wandb.errors.CommError(f"invalid API key {FAKE_KEY}\nsecond line")
+        return "offline-run"
+
+    monkeypatch.setattr(wandb, "init", fake_init)
+    monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
+    with pytest.raises(tracking.TrackingError) as ex:
+        tracking.start_run(tmp_path, **_init_args(tmp_path))
+    msg = str(ex.value)
+    assert "\n" not in msg and FAKE_KEY not in msg and "logger.mode=online" in msg and "logger.on_error=offline" in msg
+    warned = []
+    run = tracking.start_run(tmp_path, **_init_args(tmp_path, on_error="offline"), warn=warned.append)
+    assert run == "offline-run" and modes == ["online", "online", "offline"]
+    assert len(warned) == 1 and "offline" in warned[0] and FAKE_KEY not in warned[0]
+
+
+def test_schema_checks_on_error():
+    from opd_exp.config.schema import LoggerConfig
+    from opd_exp.errors import ConfigError
+
+    assert LoggerConfig().mode == "offline" and LoggerConfig().on_error == "fail"
+    with pytest.raises(ConfigError, match="logger.on_error='retry' is not allowed; allowed: fail, offline"):
+        LoggerConfig(on_error="retry")
+
+
+# -- slow: real offline runs --------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def local_pair(tmp_path_factory) -> Path:
+    from opd_exp.world.tokenizer import load_tokenizer, save_tokenizer
+
+    root = tmp_path_factory.mktemp("wandb_pair")
+    for name in ("student", "teacher"):
+        save_tokenizer(root / name)
+    V = len(load_tokenizer(root / "student"))
+    build_model(root / "student", V, hidden=32, layers=1, seed=1)
+    build_model(root / "teacher", V, hidden=32, layers=2, seed=2)
+    return root
+
+
+def tiny_args(pair: Path, steps: int = 2) -> list[str]:
+    return [
+        "model_pair=local", f"model_pair.student={pair / 'student'}", f"model_pair.teacher={pair / 'teacher'}",
+        "task.n_train=64", "task.n_eval=4", f"trainer.max_steps={steps}", "trainer.batch_size=2", "trainer.eval_size=4",
+        "trainer.eval_batch_size=4", "trainer.device=cpu", "trainer.progress=false", "rollout.max_new_tokens=6",
+        "logger.project=opd-exp-test",
+    ]
+
+
+def run_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    return dict(env, WANDB_API_KEY=FAKE_KEY, WANDB_SILENT="true")
+
+
+def inspect(run_dir: Path) -> list[dict]:
+    """Each offline W&B run in the run folder, oldest first, as `wandb leet inspect --summary --json`."""
+    wandb_cli = shutil.which("wandb") or "wandb"
+    out = []
+    for d in sorted((run_dir / "wandb").glob("offline-run-*")):
+        done = subprocess.run([wandb_cli, "leet", "inspect", "--summary", "--json", str(d)], capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        out.append(json.loads(done.stdout))
+    return out
+
+
+def history(run_dir: Path) -> list[dict]:
+    wandb_cli = shutil.which("wandb") or "wandb"
+    rows = []
+    for d in sorted((run_dir / "wandb").glob("offline-run-*")):
+        done = subprocess.run([wandb_cli, "leet", "inspect", "--json", str(d)], capture_output=True, text=True, timeout=60)
+        rows += [json.loads(ln) for ln in done.stdout.splitlines() if '"type":"history"' in ln]
+    return rows
+
+
+def assert_no_key(folder: Path):
+    for f in folder.rglob("*"):
+        if f.is_file():
+            assert FAKE_KEY.encode() not in f.read_bytes(), f"API key written to {f}"
+
+
+@pytest.mark.slow
+def test_offline_run_holds_the_metrics_config_and_resumes(local_pair, tmp_path):
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "opd_exp.train", *tiny_args(local_pair), "divergence=jsd", "divergence.beta=0.9",
+           f"hydra.run.dir={run_dir}"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (run,) = inspect(run_dir)
+    assert run["state"] == "finished" and run["exit_code"] == 0
+    assert run["config"]["divergence"]["name"] == "jsd" and run["config"]["divergence"]["beta"] == 0.9
+    assert {"divergence=jsd", "divergence.beta=0.9"} <= set(run["tags"])
+    summary, last_train = run["summary"], rows[-1]
+    for key in ("jsd/mean", "kl/reverse", "kl/forward", "loss"):
+        assert summary[key] == pytest.approx(last_train[key], rel=1e-6), key
+    assert summary["eval/kl_reverse"]["last"] == pytest.approx(rows[-1]["eval/kl_reverse"])
+    assert summary["eval/kl_reverse"]["min"] == pytest.approx(min(r["eval/kl_reverse"] for r in rows if "eval/kl_reverse" in r))
+    assert summary["eval/accuracy"]["max"] == pytest.approx(max(r["eval/accuracy"] for r in rows if "eval/accuracy" in r))
+    assert summary["final/eval/kl_reverse"] == pytest.approx(rows[-1]["eval/kl_reverse"])
+    # every logged row, train and eval, on the training-step axis, with the jsonl's values
+    logged = {}
+    for rec in history(run_dir):
+        items = {it["key"] if "key" in it else "/".join(it["nested_key"]): json.loads(it["value_json"])
+                 for it in rec["history"]["item"]}
+        logged[int(items["step"])] = items
+    assert sorted(logged) == [r["step"] for r in rows]
+    for r in rows:
+        for key in ("jsd/mean", "kl/reverse", "eval/kl_reverse"):
+            if key in r:
+                assert logged[r["step"]][key] == pytest.approx(r[key], rel=1e-6)
+    # resume: the same folder, more steps -> the same W&B run id
+    run_id = (run_dir / "wandb_id.txt").read_text()
+    cmd[cmd.index("trainer.max_steps=2")] = "trainer.max_steps=3"
+    again = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    runs = inspect(run_dir)
+    assert len(runs) == 2 and {r["run_id"] for r in runs} == {run_id} and runs[1]["summary"]["step"] == 3
+    assert_no_key(run_dir)
+    assert FAKE_KEY not in done.stdout + done.stderr + again.stdout + again.stderr
+
+
+CRASH = """
+import opd_exp.trainer as trainer
+_step = trainer.Trainer.train_step
+def train_step(self):
+    if self.cfg.estimator.name.value == "topk":
+        raise RuntimeError("test crash in train_step")
+    return _step(self)
+trainer.Trainer.train_step = train_step
+from opd_exp.train import main
+main()
+"""
+
+
+@pytest.mark.slow
+def test_multirun_gives_one_run_per_job_and_marks_the_failed_one(local_pair, tmp_path):
+    """sweep=estimator, 3 jobs; the topk job crashes at its first step (a test-only patch)."""
+    script = tmp_path / "crash_train.py"
+    script.write_text(CRASH)
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, str(script), "-m", "sweep=estimator", "estimator=sampled,topk,full", "seed=0",
+           *tiny_args(local_pair), f"hydra.sweep.dir={sweep}"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=400)
+    assert done.returncode != 0 and "test crash in train_step" in done.stderr  # Hydra reports the failed job
+    jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
+    assert [j.name for j in jobs] == ["0_sampled_seed0", "1_topk_seed0", "2_full_seed0"]
+    runs = [inspect(j) for j in jobs]
+    assert all(len(r) == 1 for r in runs)
+    runs = [r[0] for r in runs]
+    assert len({r["run_id"] for r in runs}) == 3
+    assert [r["state"] for r in runs] == ["finished", "failed", "finished"]
+    assert [r["exit_code"] for r in runs] == [0, 1, 0]
+    assert (jobs[2] / "summary.json").is_file()  # the job after the failure ran to the end
+    for r, est in zip(runs, ("sampled", "topk", "full")):
+        assert {f"estimator={est}", "seed=0", "loss=reinforce", "divergence=jsd", "divergence.beta=0.5"} <= set(r["tags"])
+        assert r["config"]["estimator"]["name"] == est
+    for j in jobs:
+        assert_no_key(j)
+    group = [json.loads(ln) for ln in subprocess.run(
+        [shutil.which("wandb") or "wandb", "leet", "inspect", "--json", str(next((jobs[0] / "wandb").glob("offline-run-*")))],
+        capture_output=True, text=True, timeout=60).stdout.splitlines() if '"type":"run"' in ln]
+    assert group[0]["run"]["run_group"] == "estimator" and group[0]["run"]["job_type"] == "train"
+
+
+@pytest.mark.slow
+def test_online_start_failure_for_real(tmp_path, monkeypatch):
+    """No server (a closed local port): fail in one line, or log offline as configured."""
+    for k in [k for k in os.environ if k.startswith("WANDB_")]:
+        monkeypatch.delenv(k)
+    monkeypatch.setenv("WANDB_API_KEY", FAKE_KEY)
+    monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("WANDB_INIT_TIMEOUT", "3")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    with pytest.raises(tracking.TrackingError) as ex:
+        tracking.start_run(tmp_path / "a", **_init_args(tmp_path, run_id="failrun00001"))
+    assert "\n" not in str(ex.value) and FAKE_KEY not in str(ex.value)
+    warned = []
+    run = tracking.start_run(tmp_path / "b", **_init_args(tmp_path, on_error="offline", run_id="fallback0001"), warn=warned.append)
+    run.log({"step": 1, "jsd/mean": 0.5})
+    run.finish()
+    assert len(warned) == 1
+    (r,) = inspect(tmp_path / "b")
+    assert r["run_id"] == "fallback0001" and r["summary"]["jsd/mean"] == 0.5
