@@ -223,6 +223,10 @@ def start_run(
         warn(f"opd-train: warning: W&B could not start (logger.mode={mode}): {why}; logging offline to "
              f"{run_dir / 'wandb'} instead (upload later with `wandb sync`)")
     try:
+        wandb.teardown()  # forget the failed run, so its id can start again offline
+    except Exception:  # pragma: no cover - older wandb
+        pass
+    try:
         return init("offline")
     except Exception as ex:
         raise TrackingError(f"logger=wandb could not start offline either: {_one_line(ex)}; allowed: logger=none") from None
