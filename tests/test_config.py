@@ -38,7 +38,7 @@ def _options(group):
 def test_default_composes_to_typed_config():
     cfg = to_train_config(_compose())
     assert isinstance(cfg, TrainConfig)
-    assert cfg.divergence.name.value == "rkl" and cfg.estimator.name.value == "full" and cfg.loss.name.value == "direct"
+    assert cfg.divergence.name.value == "fkl" and cfg.estimator.name.value == "full" and cfg.loss.name.value == "direct"
     assert cfg.model_pair.name and cfg.task.name == "arithmetic"
 
 

@@ -85,7 +85,7 @@ class DivergenceConfig:
     """Which divergence D(S, T) the student lowers, per response position."""
 
     # rkl KL(S||T) | fkl KL(T||S) | jsd | skl KL(T||aT+(1-a)S) | srkl KL(S||aS+(1-a)T) | tvd
-    name: DivergenceName = DivergenceName.rkl
+    name: DivergenceName = DivergenceName.fkl
     # jsd mixing weight, TRL/GKD convention: M = beta*T + (1-beta)*S; beta=0 is fkl, beta=1 is rkl.
     # (Trinity-RFT's lambda_coef documents the reverse endpoints.)
     beta: float = 0.5
@@ -195,28 +195,28 @@ class TrainerConfig:
     """The optimisation loop."""
 
     # optimizer steps
-    max_steps: int = 200
+    max_steps: int = 2500
     # distinct prompts per step (each sampled rollout.n_samples times)
     batch_size: int = 64
     # sequences per forward/backward (0: all at once); the loss is normalised by the step's
     # global response-token count, so accumulation equals one big batch
     micro_batch_size: int = 0
     # peak learning rate (AdamW)
-    lr: float = 1e-3
+    lr: float = 3e-3
     weight_decay: float = 0.0
     # learning-rate schedule after warm-up
     schedule: Schedule = Schedule.cosine
-    warmup_steps: int = 10
+    warmup_steps: int = 20
     # gradient-norm clip (0: off)
     grad_clip: float = 1.0
     # evaluate every N steps (0: only before and after training)
-    eval_every: int = 50
+    eval_every: int = 250
     # eval prompts (0: the task's whole eval split)
     eval_size: int = 256
     # sequences per eval generation batch
     eval_batch_size: int = 128
     # checkpoint every N steps (0: only at the end)
-    save_every: int = 50
+    save_every: int = 250
     # complete checkpoints kept in the run folder
     keep_checkpoints: int = 2
     # log metrics every N steps
