@@ -78,10 +78,13 @@ def sft_train(
     weight_decay: float = 0.01,
     progress: bool | str = False,
     on_step: Optional[Callable[[int, float], None]] = None,
+    length_groups: int = 1,
 ) -> dict:
     """Train ``model`` in place for ``steps`` steps; returns ``{"loss", "steps", "seconds"}``.
 
-    ``progress`` shows a tqdm bar (a string is used as its label). Right padding needs no
+    ``length_groups`` > 1 sorts rows by length inside groups of that many batches (less
+    padding, but more homogeneous batches). ``progress`` shows a tqdm bar (a string is used
+    as its label). Right padding needs no
     attention mask: with causal attention, padding after a sequence never influences it.
     """
     import torch
@@ -104,7 +107,7 @@ def sft_train(
     ema = None
     for step in range(steps):
         if not batches:
-            batches = _length_bucketed_batches(lengths, batch_size, gen)
+            batches = _length_bucketed_batches(lengths, batch_size, gen, group=length_groups)
         idx = batches.pop()
         width = int(lengths[idx].max())
         x, m = ids[idx, :width], mask[idx, :width]
