@@ -237,7 +237,7 @@ def load_wandb(project: str, entity: str | None = None, group: str | None = None
         seed = overrides.get("seed", (wr.config or {}).get("seed"))
         series: dict[str, list[tuple[int, float]]] = {}
         for row in wr.scan_history():
-            step = row.get("_step")
+            step = row.get("step", row.get("_step"))  # our step axis; _step is W&B's own counter
             if step is None:
                 continue
             for key, value in row.items():
