@@ -35,7 +35,8 @@ from opd_exp.errors import ConfigError
 
 REDACTED = "<redacted>"
 # config keys and environment variables whose values are credentials
-SECRET_NAME = re.compile(r"(api[_-]?key|token|secret|password|passwd|credential)", re.IGNORECASE)
+# ("token" alone: hf_token, HF_TOKEN, access_token; not max_new_tokens, tokenizer, pad_token_id)
+SECRET_NAME = re.compile(r"(api[_-]?key|(?<![a-z])token(?![a-z]|_id)|secret|password|passwd|credential)", re.IGNORECASE)
 MAX_TAG = 64  # W&B's limit on one tag
 
 # Summary of a metric in W&B: "last" unless listed (best value and last value for eval curves).
