@@ -27,6 +27,8 @@ ALLOWED = "a local .jsonl/.parquet file or folder, a path with {split}, a hub id
 
 def row_to_problem(row: dict, where: str, instruction: str = "") -> Problem:
     """One GSM8K row as a Problem (the answer is the number after the last ``####``)."""
+    if not isinstance(row, dict):
+        raise ConfigError(f"task.path: {where} is a JSON {type(row).__name__}, not an object; allowed: {{\"question\": ..., \"answer\": \"... #### <n>\"}}")
     question, answer = row.get("question"), row.get("answer")
     if not isinstance(question, str) or not isinstance(answer, str) or "####" not in answer:
         raise ConfigError(f"task.path: {where} is not a GSM8K row (need 'question' and an 'answer' ending in '#### <n>'); allowed: {ALLOWED}")
@@ -45,12 +47,20 @@ def read_rows(path: Path) -> list[dict]:
         except ImportError:
             raise ConfigError(f"task.path: {str(path)!r} is parquet but `pyarrow` is not installed; allowed: a .jsonl file, or `pip install pyarrow`") from None
         return pq.read_table(path).to_pylist()
-    text = path.read_text(encoding="utf-8")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise ConfigError(f"task.path: {path}:{line} is not UTF-8 text (byte {data[exc.start]:#04x}); allowed: a UTF-8 encoded file") from None
     if path.suffix == ".json":
-        return list(json.loads(text))
+        try:
+            return list(json.loads(text))
+        except ValueError:
+            raise ConfigError(f"task.path: {path} is not valid JSON; allowed: a JSON list of objects") from None
     rows = []
     for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
+        if line.strip():  # blank lines are skipped
             try:
                 rows.append(json.loads(line))
             except ValueError:
@@ -129,7 +139,10 @@ class GSM8KTask(Task):
             raise ConfigError(f"task.path: file {str(path)!r} does not exist; allowed: {ALLOWED}")
         if path.suffix not in SUFFIXES:
             raise ConfigError(f"task.path: {str(path)!r} has suffix {path.suffix!r}; allowed: {', '.join(SUFFIXES)}")
-        return self._convert(read_rows(path), str(path))
+        problems = self._convert(read_rows(path), str(path))
+        if not problems:
+            raise ConfigError(f"task.path: {str(path)!r} holds no problems (empty file); allowed: a file with at least one GSM8K row")
+        return problems
 
     def train_problems(self) -> list[Problem]:
         return list(self._splits[0])
