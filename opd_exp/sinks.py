@@ -43,6 +43,15 @@ class Sink:
 NullSink = Sink
 
 
+def _step_of(line: str) -> float:
+    """The step of a metrics.jsonl line; a blank or torn line (a kill mid-write) sorts last,
+    so a resume drops it."""
+    try:
+        return float(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return math.inf
+
+
 class JsonlSink(Sink):
     """Appends ``{"step": n, ...metrics}`` lines to ``path``.
 
@@ -54,8 +63,11 @@ class JsonlSink(Sink):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step is not None and self.path.exists():
-            kept = [line for line in self.path.read_text().splitlines() if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+            kept = [line for line in self.path.read_text(errors="replace").splitlines() if _step_of(line) <= resume_step]
+            # temp file + rename: a kill during the rewrite never truncates the run's history
+            tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
         elif resume_step is None and self.path.exists():
             self.path.unlink()  # a fresh run in a reused folder starts a fresh file
         self._fh = self.path.open("a")

@@ -3,6 +3,10 @@
 Config errors (an unknown option or key, a wrong type, an out-of-range value, a
 combination that cannot work) end the command with one line on stderr and exit code 2,
 before any model loads. Set HYDRA_FULL_ERROR=1 to see Hydra's full report instead.
+
+Exit codes (opd_exp/guards.py, docs/reliability.md): 0 finished; 2 config/input error;
+3 too many non-finite steps in a row; 75 preempted by SIGTERM/SIGUSR1/SIGUSR2 after saving
+a checkpoint (run the same command again to resume).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from opd_exp.config import TrainConfig, register_configs
 from opd_exp.errors import ConfigError
+from opd_exp.guards import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, Diverged, Preempted
 from opd_exp.searchpath import register as register_sweeps
 
 register_configs()
@@ -53,11 +58,12 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 def _app(cfg: DictConfig) -> float:
     from hydra.core.hydra_config import HydraConfig
 
+    run_dir = Path(HydraConfig.get().runtime.output_dir)  # never chdir: paths stay the user's
+    scrub_hydra_dir(run_dir / (HydraConfig.get().output_subdir or ".hydra"))  # before anything can fail
     try:
         typed = to_train_config(cfg)
     except ConfigError as ex:  # exit here: Hydra would add its own "Error executing job" line
         _fail(ex)
-    run_dir = Path(HydraConfig.get().runtime.output_dir)  # never chdir: paths stay the user's
     sinks = []
     if typed.logger.name.value == "wandb":  # start W&B before the models load: a failure stops at once
         from opd_exp.sinks import WandbSink
@@ -75,8 +81,42 @@ def _app(cfg: DictConfig) -> float:
         for sink in sinks:
             sink.close()  # inside the exception: the W&B run is marked failed
         raise
-    summary = trainer.run()
+    try:
+        summary = trainer.run()
+    except Preempted as ex:
+        # Exit from inside the job: in a multirun Hydra would go on to the next job.
+        print(f"opd-train: preempted: {ex}", file=sys.stderr, flush=True)
+        if getattr(ex, "previous_handler", None) is not None:
+            ex.previous_handler(ex.signum, None)  # submitit's: requeues the job, then exits
+        sys.exit(EXIT_PREEMPTED)
+    except Diverged as ex:
+        # Raised on (not exited): in a multirun the other jobs still run; main() exits 3.
+        print(f"opd-train: error: {ex}", file=sys.stderr, flush=True)
+        raise
     return float(summary.get("eval/kl_reverse", float("nan")))  # what a sweeper minimises
+
+
+def scrub_hydra_dir(folder: Path) -> None:
+    """Redact credentials from Hydra's record of the run (``.hydra/*.yaml``): an override like
+    ``+logger.api_key=...`` or a token pasted into a value is written there before any
+    validation runs. Same rules as the W&B config (``opd_exp.tracking.scrub``)."""
+    import re
+
+    from opd_exp.tracking import REDACTED, SECRET_NAME, secret_values
+
+    if not folder.is_dir():
+        return
+    pattern = re.compile(r"([\w.+~/-]*(?:%s)[\w.-]*)(\s*[=:]\s*)([^\s,'\"\]}]+)" % SECRET_NAME.pattern, re.IGNORECASE)
+    secrets = secret_values()
+    for f in folder.glob("*.yaml"):
+        text = f.read_text()
+        clean = pattern.sub(lambda m: f"{m.group(1)}{m.group(2)}{REDACTED}", text)
+        for value in secrets:
+            clean = clean.replace(value, REDACTED)
+        if clean != text:
+            tmp = f.with_name(f".{f.name}.tmp")
+            tmp.write_text(clean)
+            os.replace(tmp, f)
 
 
 def _one_line(ex: BaseException) -> str:
@@ -102,7 +142,7 @@ def _one_line(ex: BaseException) -> str:
 
 def _fail(ex: BaseException) -> None:
     print(f"opd-train: error: {_one_line(ex)}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(EXIT_CONFIG)
 
 
 def main() -> None:
@@ -114,10 +154,17 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach us instead of Hydra's printer
     try:
         _app()
+    except Diverged:
+        sys.exit(EXIT_DIVERGED)  # its line is already on stderr
     except (ConfigError, HydraException, OmegaConfBaseException) as ex:
         if user_wants_full:
             raise
         _fail(ex)
+    except OSError as ex:  # e.g. hydra.run.dir under a file, a read-only or full disk
+        if user_wants_full:
+            raise
+        where = f" ({ex.filename})" if getattr(ex, "filename", None) else ""
+        _fail(ConfigError(f"cannot write the run folder or read an input{where}: {ex.strerror or ex}; allowed: a writable hydra.run.dir and readable inputs"))
     finally:
         if not user_wants_full:
             os.environ.pop("HYDRA_FULL_ERROR", None)

@@ -6,8 +6,15 @@ micro-batch -> objective -> backward (loss normalised by the step's global respo
 count) -> clip, finite check, optimizer step -> metrics to the sinks -> eval / checkpoint.
 
 A run started again in a folder that holds a checkpoint resumes from the newest complete
-one: weights, optimizer, scheduler, data position, RNG, the before-training eval. Each step
-also re-seeds torch from (seed, step), so a resumed run samples the very same tokens.
+one: weights, optimizer, scheduler, data position, RNG, the before-training eval, the guard
+counters. Each step also re-seeds torch from (seed, step), so a resumed run samples the very
+same tokens and ends bit-identical to an uninterrupted one.
+
+Guards (docs/reliability.md): a step whose teacher logits, loss or gradient norm is NaN/inf
+is skipped (no update) and counted in ``guard/skipped_steps``; ``trainer.max_bad_steps`` in a
+row stop the run (``Diverged``) without writing a checkpoint. A step without response tokens
+is a no-op counted in ``guard/empty_steps``. SIGTERM/SIGUSR1/SIGUSR2 save a checkpoint at the
+next step boundary and raise ``Preempted``. One process per run folder (``RunLock``).
 """
 
 from __future__ import annotations
@@ -17,7 +24,9 @@ import dataclasses
 import enum
 import math
 import random
+import sys
 import time
+import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -25,6 +34,8 @@ from typing import Any
 import torch
 
 from opd_exp import checkpoint
+from opd_exp.errors import ConfigError
+from opd_exp.guards import Diverged, NonFinite, Preempted, PreemptionGuard, nonfinite_summary
 from opd_exp.config.schema import LoggerName, Precision, Schedule, TrainConfig
 from opd_exp.divergences import get_divergence
 from opd_exp.objective import TOKEN_METRICS, Objective, exact_divergences, metric_beta
@@ -111,6 +122,10 @@ class Trainer:
         self.student.train()
         self.train_problems = list(task.train_problems())
         evals = list(task.eval_problems())
+        if not self.train_problems:
+            raise ConfigError(f"task: {cfg.task.name!r} has no training problems (empty dataset or split); allowed: a task with at least one")
+        if not evals:
+            raise ConfigError(f"task: {cfg.task.name!r} has no eval problems (empty dataset or split); allowed: a task with at least one")
         self.eval_problems = evals[: tc.eval_size] if tc.eval_size else evals
         self.objective = Objective(cfg)
         self.eval_divs = {
@@ -123,8 +138,39 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.cursor = DataCursor(len(self.train_problems), cfg.seed)
         self.step = 0
-        self.state: dict[str, Any] = {}  # eval before/last, teacher accuracy, elapsed time
+        self.state: dict[str, Any] = {}  # eval before/last, teacher accuracy, elapsed time, guard
         self._extra_sinks = sinks
+        self._warned: set[str] = set()
+        self._progress: Progress | None = None
+
+    def warn(self, line: str) -> None:
+        """One line on stderr (through the progress bar while it is shown)."""
+        if self._progress is not None:
+            self._progress.write(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def _warn_once(self, kind: str, text: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            self.warn(f"opd-train: warning: {text}")
+
+    @property
+    def guard(self) -> dict[str, Any]:
+        """Counters saved with the loop state (a resumed run continues them)."""
+        return self.state.setdefault("guard", {"skipped_steps": 0, "empty_steps": 0, "bad_in_a_row": 0, "bad_since": 0})
+
+    def _truncated(self, prompts) -> int:
+        """How many rendered prompts exceed rollout.max_prompt_tokens (the rollout keeps their
+        last tokens); warned once per run, counted per step."""
+        cap = self.cfg.rollout.max_prompt_tokens
+        n = sum(len(self.tokenizer(p, add_special_tokens=False)["input_ids"]) > cap for p in prompts)
+        if n:
+            self._warn_once(
+                "truncated", f"{n} of {len(prompts)} prompts are longer than rollout.max_prompt_tokens={cap} and are cut "
+                f"from the left (the last {cap} tokens are kept); counted in rollout/truncated_prompts"
+            )
+        return n
 
     # -- schedule -------------------------------------------------------------
     def _lr_factor(self, step: int) -> float:
@@ -158,6 +204,7 @@ class Trainer:
         torch.manual_seed(cfg.seed * 1_000_003 + step + 1)
         problems = [self.train_problems[i] for i in self.cursor.next(cfg.trainer.batch_size)]
         prompts = [self.task.render_prompt(p, self.tokenizer) for p in problems]
+        self._n_truncated = self._truncated(prompts)
         on_policy = self._on_policy(step)
         with self._autocast():
             batch = generate(
@@ -186,6 +233,11 @@ class Trainer:
                 continue
             with self._autocast():
                 zt = teacher_logits(self.teacher, mb, self.vocab_size, temperature=cfg.divergence.temperature)
+                # Caught here, before the loss: a NaN teacher logit would turn the loss (and, via
+                # masked positions, the gradient) into NaN with no hint where it came from.
+                bad = nonfinite_summary(zt)
+                if bad is not None:
+                    raise NonFinite(f"teacher log-probs are not finite at step {self.step + 1} ({bad} teacher logits)")
                 zs = student_logits(
                     self.student, mb, self.vocab_size,
                     temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
@@ -203,15 +255,38 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         batch = self.sample(self.step)
         t_rollout = time.perf_counter() - t0
+        step, guard, problem = self.step + 1, self.guard, None
         self.optimizer.zero_grad(set_to_none=True)
-        loss, sums = self.accumulate(batch)
-        max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        finite = math.isfinite(loss) and math.isfinite(grad_norm)
-        if finite:  # a non-finite loss or gradient never reaches the weights
+        if batch.num_response_tokens == 0:
+            # Nothing to learn from: a no-op step (no update), counted; never a 0/0 NaN.
+            loss, sums, grad_norm = 0.0, {}, 0.0
+            guard["empty_steps"] += 1
+            self._warn_once("empty", f"step {step} has no response tokens: no update (counted in guard/empty_steps)")
+        else:
+            try:
+                loss, sums = self.accumulate(batch)
+                max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+            except NonFinite as ex:
+                loss, sums, grad_norm, problem = float("nan"), {k: float("nan") for k in TOKEN_METRICS}, float("nan"), str(ex)
+            if problem is None and not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                problem = f"loss={loss}, grad/norm={grad_norm}"
+        finite = problem is None
+        if finite and batch.num_response_tokens:  # a non-finite loss or gradient never reaches the weights
             self.optimizer.step()
+        if finite:
+            guard["bad_in_a_row"] = 0
+        else:
+            guard["skipped_steps"] += 1
+            guard["bad_in_a_row"] += 1
+            if guard["bad_in_a_row"] == 1:
+                guard["bad_since"] = step
+            guard["last_problem"] = problem
+            self.warn(f"opd-train: warning: step {step} skipped (no update): {problem}")
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        with warnings.catch_warnings():  # a skipped or empty first step: torch warns about the order
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
         self.step += 1
         dt = time.perf_counter() - t0
         n_tok = max(batch.num_response_tokens, 1)
@@ -222,6 +297,9 @@ class Trainer:
                 "response/length_mean": batch.num_response_tokens / batch.num_sequences,
                 "grad/norm": grad_norm,
                 "grad/skipped": 0.0 if finite else 1.0,
+                "guard/skipped_steps": float(guard["skipped_steps"]),
+                "guard/empty_steps": float(guard["empty_steps"]),
+                "rollout/truncated_prompts": float(getattr(self, "_n_truncated", 0)),
                 "lr": lr,
                 "rollout/on_policy": 1.0 if batch.source == "student" else 0.0,
                 "perf/tokens_per_s": batch.num_response_tokens / dt,
@@ -240,6 +318,7 @@ class Trainer:
         for start in range(0, len(problems), tc.eval_batch_size):
             chunk = problems[start : start + tc.eval_batch_size]
             prompts = [self.task.render_prompt(p, self.tokenizer) for p in chunk]
+            self._truncated(prompts)
             with self._autocast():
                 batch = generate(
                     model, self.tokenizer, prompts, n_samples=1, do_sample=False,
@@ -303,10 +382,33 @@ class Trainer:
         )
 
     def resume(self) -> bool:
-        path = checkpoint.latest(self.run_dir)
-        if path is None:
+        """Load the newest complete checkpoint; one that fails to load (damaged, or from a
+        different model) is renamed ``step_N.bad`` and the next older one is tried."""
+        found = checkpoint.list_checkpoints(self.run_dir)
+        if not found:
+            damaged = checkpoint.damaged(self.run_dir)
+            if damaged:  # our writes are atomic: these were complete once; never start over on top
+                raise ConfigError(
+                    f"hydra.run.dir: no checkpoint in {checkpoint.checkpoint_root(self.run_dir)} can be loaded "
+                    f"({', '.join(p.name for p in damaged)}: incomplete or damaged); allowed: move checkpoints/ away to start the run over"
+                )
             return False
-        st = checkpoint.load(path, self.student, self.optimizer, self.scheduler)
+        first_error = None
+        for step, path in reversed(found):
+            try:
+                st = checkpoint.load(path, self.student, self.optimizer, self.scheduler)
+                break
+            except Exception as ex:  # noqa: BLE001 - any damage: try the older one
+                reason = (str(ex).strip().splitlines() or [type(ex).__name__])[0][:200]
+                first_error = first_error or f"{path}: {reason}"
+                self.warn(f"opd-train: warning: checkpoint {path} cannot be loaded ({reason}); trying an older one")
+                if path.is_dir():
+                    path.rename(path.with_name(path.name + ".bad"))
+        else:
+            raise ConfigError(
+                f"hydra.run.dir: no checkpoint in {checkpoint.checkpoint_root(self.run_dir)} can be loaded (newest: {first_error}); "
+                f"allowed: checkpoints of this model, or move checkpoints/ away to start the run over"
+            )
         self.step = int(st.pop("step"))
         data = st.pop("data")
         self.cursor = DataCursor(len(self.train_problems), self.cfg.seed, data["epoch"], data["pos"])
@@ -317,10 +419,20 @@ class Trainer:
         """Train to ``trainer.max_steps`` (resuming if the folder holds a checkpoint) and
         return the summary. ``stop_after`` ends the session early after that many steps,
         as an interruption would (tests use it)."""
+        with checkpoint.RunLock(self.run_dir), PreemptionGuard() as preempt:
+            summary = self._run(preempt, stop_after)
+        if isinstance(summary, Preempted):
+            raise summary
+        if summary:
+            print(self.summary_line(summary), flush=True)  # stdout: `opd-train | tail -1` is the result
+        return summary
+
+    def _run(self, preempt: PreemptionGuard, stop_after: int | None):
         tc = self.cfg.trainer
         resumed = self.resume()
         sink = self._sinks(resume_step=self.step if resumed else None)
         progress = Progress(tc.max_steps, initial=self.step, enabled=tc.progress)
+        self._progress = progress
         t_start = time.perf_counter() - self.state.get("elapsed_s", 0.0)
         try:
             if not resumed:
@@ -329,7 +441,9 @@ class Trainer:
                 self.state["eval_last"] = before
                 sink.log(before, step=0)
             done_now = 0
-            while self.step < tc.max_steps:
+            # A signal only sets a flag; it is acted on here, between steps, so a checkpoint
+            # is never taken of a half-done step.
+            while self.step < tc.max_steps and not preempt.requested:
                 metrics = self.train_step()
                 last = self.step == tc.max_steps
                 if (tc.eval_every and self.step % tc.eval_every == 0) or last:
@@ -340,17 +454,31 @@ class Trainer:
                     sink.log(metrics, step=self.step)
                 progress.update(metrics)
                 self.state["elapsed_s"] = time.perf_counter() - t_start
-                if (tc.save_every and self.step % tc.save_every == 0) or last:
+                guard = self.guard
+                if guard["bad_in_a_row"] >= tc.max_bad_steps:
+                    latest = checkpoint.latest(self.run_dir)
+                    raise Diverged(
+                        f"{guard['bad_in_a_row']} non-finite steps in a row (steps {guard['bad_since']}-{self.step}; last: "
+                        f"{guard.get('last_problem')}); stopped without saving, last checkpoint intact: {latest or 'none'}; "
+                        f"allowed: a lower trainer.lr, trainer.grad_clip > 0, a teacher with finite log-probs, "
+                        f"or a larger trainer.max_bad_steps={tc.max_bad_steps}"
+                    )
+                # No periodic save inside a run of bad steps: keep the checkpoints from before it.
+                if (tc.save_every and self.step % tc.save_every == 0 and not guard["bad_in_a_row"]) or last:
                     self.save()
                 done_now += 1
                 if stop_after is not None and done_now >= stop_after and not last:
                     return {}
+            if preempt.requested and self.step < tc.max_steps:
+                stop = Preempted(preempt.signum, self.step, self.save())
+                stop.previous_handler = preempt.previous_handler()
+                return stop
             summary = self.summary()
             sink.summary(summary)
         finally:
             progress.close()
+            self._progress = None
             sink.close()
-        print(self.summary_line(summary), flush=True)  # stdout: `opd-train | tail -1` is the result
         return summary
 
     def summary(self) -> dict[str, Any]:

@@ -230,6 +230,9 @@ class TrainerConfig:
     num_threads: int = 1
     # console progress bar
     progress: bool = True
+    # stop (exit 3) after this many steps in a row whose loss, gradient norm or teacher
+    # log-probs were NaN/inf; each such step is skipped (no update) and counted
+    max_bad_steps: int = 10
 
     def __post_init__(self) -> None:
         _check(self.max_steps >= 0, "trainer.max_steps", self.max_steps, "integer >= 0")
@@ -241,7 +244,7 @@ class TrainerConfig:
         _check(_finite(self.grad_clip) and self.grad_clip >= 0, "trainer.grad_clip", self.grad_clip, ">= 0 (0: off)")
         for key in ("eval_every", "eval_size", "save_every", "num_threads"):
             _check(getattr(self, key) >= 0, f"trainer.{key}", getattr(self, key), "integer >= 0")
-        for key in ("eval_batch_size", "keep_checkpoints", "log_every"):
+        for key in ("eval_batch_size", "keep_checkpoints", "log_every", "max_bad_steps"):
             _check(getattr(self, key) >= 1, f"trainer.{key}", getattr(self, key), "integer >= 1")
         dev = self.device
         ok = dev in ("auto", "cpu", "cuda", "mps") or (dev.startswith("cuda:") and dev[5:].isdigit())

@@ -1,0 +1,98 @@
+"""Reliability guards of the training loop: preemption signals and non-finite values.
+
+Exit codes of ``opd-train`` (documented in docs/reliability.md):
+
+* 0  finished (or already finished: a rerun in a finished folder does nothing);
+* 2  a config or input error, one line on stderr (``ConfigError``);
+* 3  stopped: ``trainer.max_bad_steps`` non-finite steps in a row (``Diverged``); the last
+     checkpoint, written before the trouble, is intact;
+* 75 preempted (EX_TEMPFAIL, "try again later"): a checkpoint was saved at the step
+     boundary after SIGTERM/SIGUSR1/SIGUSR2; running the same command resumes.
+
+Why 75 and not 0 or 143: 0 would tell ``opd-train && next-step`` pipelines and job chains
+that training finished; 143 (128+SIGTERM) is what an unhandled kill reports, when nothing
+was saved. SLURM requeues a preempted job (``--requeue``) whatever its exit code, so 75 costs
+nothing there and lets a wrapper loop tell "resume me" apart from success and failure.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from typing import Any, Callable, Optional
+
+EXIT_CONFIG = 2
+EXIT_DIVERGED = 3
+EXIT_PREEMPTED = 75
+
+# SIGTERM: SLURM preemption/scancel, Kubernetes, systemd; SIGUSR1: `sbatch --signal=USR1@120`;
+# SIGUSR2: submitit's default timeout/preemption signal.
+PREEMPT_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, n))
+
+
+class Preempted(Exception):
+    """A preemption signal arrived; a checkpoint was saved at the next step boundary."""
+
+    def __init__(self, signum: int, step: int, checkpoint: Any):
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        super().__init__(
+            f"{signal.Signals(signum).name} received: checkpoint at step {step} saved to {checkpoint}; "
+            f"run the same command again to resume (exit code {EXIT_PREEMPTED})"
+        )
+
+
+class Diverged(Exception):
+    """Too many non-finite steps in a row; the run stops without writing a checkpoint."""
+
+
+class NonFinite(Exception):
+    """A tensor that feeds the loss is NaN/inf (raised before it reaches the loss)."""
+
+
+class PreemptionGuard:
+    """While active, SIGTERM/SIGUSR1/SIGUSR2 only set ``signum``; the loop polls it at step
+    boundaries, saves, and calls ``finish``. Handlers are installed only from the main thread
+    (Python's rule) and restored on exit."""
+
+    def __init__(self, signals=PREEMPT_SIGNALS):
+        self.signals = tuple(signals)
+        self.signum: Optional[int] = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.signum is None:  # the first signal decides; repeats (SLURM resends) change nothing
+            self.signum = signum
+
+    @property
+    def requested(self) -> bool:
+        return self.signum is not None
+
+    def __enter__(self) -> "PreemptionGuard":
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.signals:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, prev in self._previous.items():
+            signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
+        self._previous.clear()
+
+    def previous_handler(self) -> Optional[Callable]:
+        """The Python-level handler that was installed before us for the received signal
+        (submitit's requeue handler under hydra-submitit-launcher), if any."""
+        prev = self._previous.get(self.signum) if self.signum is not None else None
+        return prev if callable(prev) else None
+
+
+def nonfinite_summary(x) -> Optional[str]:
+    """None if every entry of tensor ``x`` is finite, else e.g. '3 NaN, 1 inf of 960'."""
+    import torch
+
+    finite = torch.isfinite(x)
+    if bool(finite.all()):
+        return None
+    nan = int(torch.isnan(x).sum())
+    inf = int((~finite).sum()) - nan
+    parts = [f"{nan} NaN" if nan else "", f"{inf} inf" if inf else ""]
+    return f"{', '.join(p for p in parts if p)} of {x.numel()}"

@@ -1,0 +1,213 @@
+"""Non-finite guards, empty batches, checkpoint integrity and the run-folder lock, on the tiny
+in-memory pair (no subprocess): each promise of docs/reliability.md checked with numbers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+
+import pytest
+import torch
+
+from conftest import AddTask, small_config
+from opd_exp import checkpoint
+from opd_exp.errors import ConfigError
+from opd_exp.guards import Diverged
+from opd_exp.sinks import JsonlSink
+from opd_exp.trainer import Trainer
+import opd_exp.trainer as trainer_mod
+from reliability_util import read_metrics
+
+
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _digest(folder):
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(folder.iterdir())}
+
+
+def _nan_teacher_from(step_from: int, monkeypatch, trainer_ref: list):
+    """Teacher logits become NaN from training step ``step_from`` on (a test-only fault)."""
+    real = trainer_mod.teacher_logits
+
+    def faulty(*args, **kw):
+        z = real(*args, **kw)
+        t = trainer_ref[0]
+        if t.student.training and t.step + 1 >= step_from:  # training steps only, not eval
+            z = z.clone()
+            z[0, 0, 3] = float("nan")
+        return z
+
+    monkeypatch.setattr(trainer_mod, "teacher_logits", faulty)
+
+
+def test_nan_loss_skips_the_step_and_counts_it(tiny_pair, tmp_path, monkeypatch):
+    cfg = small_config(trainer={"max_steps": 4, "max_bad_steps": 3})
+    t = Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask())
+    real = t.objective.__class__.__call__
+    snapshots = {}
+
+    def poisoned(self, *a, **kw):
+        out = real(self, *a, **kw)
+        if t.step + 1 == 2:  # step 2's loss is NaN
+            snapshots["before"] = _params(t.student)
+            snapshots["adam"] = {k: v["step"].clone() for k, v in t.optimizer.state.items()}
+            out.loss = out.loss * float("nan")
+        return out
+
+    monkeypatch.setattr(type(t.objective), "__call__", poisoned)
+    lines = []
+    t.warn = lines.append
+    t.run()
+    rows = read_metrics(tmp_path)
+    assert [r["guard/skipped_steps"] for r in rows[1:]] == [0, 1, 1, 1]
+    assert [r["grad/skipped"] for r in rows[1:]] == [0, 1, 0, 0]
+    assert rows[2]["loss"] is None  # NaN is written as null, the other steps are finite
+    assert all(math.isfinite(r["loss"]) for r in rows[1:] if r["step"] != 2)
+    assert any("step 2 skipped (no update): loss=nan" in ln for ln in lines)
+    # AdamW stepped once before step 2 and three times in all: step 2 made no update
+    assert snapshots["adam"] and all(int(v) == 1 for v in snapshots["adam"].values())
+    assert all(int(v["step"]) == 3 for v in t.optimizer.state.values())
+
+
+def test_nan_teacher_is_caught_before_the_loss_and_stops_the_run(tiny_pair, tmp_path, monkeypatch):
+    cfg = small_config(trainer={"max_steps": 10, "save_every": 2, "max_bad_steps": 3, "keep_checkpoints": 1})
+    t = Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask())
+    ref = [t]
+    _nan_teacher_from(4, monkeypatch, ref)
+    seen = []
+    real_call = type(t.objective).__call__
+
+    def spy(self, student_z, teacher_z, *a, **kw):
+        seen.append(bool(torch.isfinite(teacher_z).all()))
+        return real_call(self, student_z, teacher_z, *a, **kw)
+
+    monkeypatch.setattr(type(t.objective), "__call__", spy)
+    lines = []
+    t.warn = lines.append
+    with pytest.raises(Diverged) as err:
+        t.run()
+    assert all(seen)  # the objective never saw a NaN teacher logit
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("3 non-finite steps in a row (steps 4-6; last: teacher log-probs are not finite at step 6 (1 NaN of ")
+    assert "last checkpoint intact: " in msg and msg.rstrip().endswith("trainer.max_bad_steps=3")
+    assert any(ln.startswith("opd-train: warning: step 4 skipped (no update): teacher log-probs are not finite at step 4") for ln in lines)
+    # the last good checkpoint (step 2; step 4's periodic save fell inside the bad run) is intact and loads
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [2]
+    assert checkpoint.latest(tmp_path).name in msg
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == list(range(7)) and rows[-1]["guard/skipped_steps"] == 3
+
+
+def test_a_batch_without_response_tokens_is_a_counted_no_op(tiny_pair, tmp_path, monkeypatch):
+    real = trainer_mod.generate
+
+    def no_tokens(*a, **kw):
+        b = real(*a, **kw)
+        if kw.get("do_sample", True):  # training rollouts only
+            b.response_mask = torch.zeros_like(b.response_mask)
+        return b
+
+    monkeypatch.setattr(trainer_mod, "generate", no_tokens)
+    t = Trainer(small_config(trainer={"max_steps": 2}), tmp_path, pair=tiny_pair, task=AddTask())
+    before = _params(t.student)
+    t.run()
+    rows = read_metrics(tmp_path)[1:]
+    assert [r["guard/empty_steps"] for r in rows] == [1, 2] and [r["guard/skipped_steps"] for r in rows] == [0, 0]
+    for r in rows:
+        assert r["loss"] == 0.0 and r["response/length_mean"] == 0.0
+        assert all(v is not None and (not isinstance(v, float) or math.isfinite(v)) for v in r.values()), r
+    for a, b in zip(before, t.student.parameters()):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+
+
+def test_a_crash_while_writing_a_checkpoint_leaves_none_that_resume_accepts(tiny_pair, tmp_path, monkeypatch):
+    cfg = small_config(trainer={"max_steps": 4, "save_every": 2, "keep_checkpoints": 1})
+    t = Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask())
+    real_save = torch.save
+    calls = []
+
+    def dies_at_step_4(obj, f, *a, **kw):  # dies after writing the weights and the optimizer
+        calls.append(str(f))
+        if "step_000004" in str(f) and str(f).endswith("rng.pt"):
+            raise KeyboardInterrupt("killed mid-write")
+        return real_save(obj, f, *a, **kw)
+
+    monkeypatch.setattr(checkpoint.torch, "save", dies_at_step_4)
+    with pytest.raises(KeyboardInterrupt):
+        t.run()
+    root = checkpoint.checkpoint_root(tmp_path)
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [2]  # the old one is not pruned
+    assert any(p.name.startswith(".tmp-step_000004") for p in root.iterdir())  # the partial write
+    monkeypatch.setattr(checkpoint.torch, "save", real_save)
+    t2 = Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask())
+    assert t2.resume() and t2.step == 2
+    t2.run()
+    assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [4]
+    assert not any(p.name.startswith(".tmp-") for p in root.iterdir())
+
+
+def test_truncated_or_damaged_checkpoints_are_never_loaded(tiny_pair, tmp_path):
+    cfg = small_config(trainer={"max_steps": 4, "save_every": 2, "keep_checkpoints": 2})
+    Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask()).run()
+    newest = checkpoint.latest(tmp_path)
+    weights = newest / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: len(data) // 2])  # a copy cut short
+    assert checkpoint.latest(tmp_path).name == "step_000002"  # manifest size check
+    weights.write_bytes(b"\xff" * len(data))  # same size, unreadable header
+    assert checkpoint.latest(tmp_path) == newest
+    t = Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask())
+    lines = []
+    t.warn = lines.append
+    assert t.resume() and t.step == 2  # fell back to the older one...
+    assert lines and lines[0].startswith(f"opd-train: warning: checkpoint {newest} cannot be loaded")
+    assert (newest.parent / "step_000004.bad").is_dir() and not newest.exists()  # ...and set the bad one aside
+
+
+def test_no_loadable_checkpoint_is_one_line_and_keeps_the_metrics(tiny_pair, tmp_path):
+    cfg = small_config(trainer={"max_steps": 2, "save_every": 2, "keep_checkpoints": 1})
+    Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask()).run()
+    state = checkpoint.latest(tmp_path) / "state.json"
+    state.write_text("{" + "x" * (state.stat().st_size - 1))  # same size: only loading finds out
+    metrics = (tmp_path / "metrics.jsonl").read_bytes()
+    for attempt in range(2):  # first: the load fails (set aside as .bad); then: only a .bad is left
+        t = Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask())
+        t.warn = lambda line: None
+        with pytest.raises(ConfigError) as err:
+            t.run()
+        assert "\n" not in str(err.value) and str(err.value).startswith("hydra.run.dir: no checkpoint in ")
+        assert str(err.value).endswith("move checkpoints/ away to start the run over")
+        assert (tmp_path / "metrics.jsonl").read_bytes() == metrics  # never started over on top of the history
+
+
+def test_a_second_process_on_the_same_run_folder_is_refused(tiny_pair, tmp_path):
+    t = Trainer(small_config(), tmp_path, pair=tiny_pair, task=AddTask())
+    import fcntl
+
+    with open(tmp_path / checkpoint.LOCK, "w") as other:  # as another process holding the lock
+        other.write("4242\n")
+        other.flush()
+        fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ConfigError, match=r"is in use by another opd-train process \(pid 4242\)"):
+            t.run()
+    assert not (tmp_path / "metrics.jsonl").exists()
+    t.run()  # released: runs
+
+
+def test_a_torn_metrics_line_is_dropped_on_resume(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "a": 1}\n{"step": 1, "a": 2}\n{"step": 2, "a"')  # killed mid-write
+    JsonlSink(path, resume_step=1).close()
+    assert [json.loads(ln)["step"] for ln in path.read_text().splitlines()] == [0, 1]
+
+
+def test_resave_of_an_existing_step_keeps_the_complete_checkpoint(tiny_pair, tmp_path, monkeypatch):
+    t = Trainer(small_config(trainer={"max_steps": 1, "keep_checkpoints": 1}), tmp_path, pair=tiny_pair, task=AddTask())
+    t.run()
+    path = checkpoint.latest(tmp_path)
+    before = _digest(path)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda *a, **k: pytest.fail("removed a complete checkpoint"))
+    assert t.save() == path and _digest(path) == before
