@@ -224,6 +224,11 @@ def _load_model(key: str, where: str, cfg: ModelPairConfig, device: Any):
     except OSError as exc:  # e.g. only .bin weights: we never unpickle weights
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ConfigError(f"{key}: cannot load safetensors weights from {where!r} ({reason[:160]}); allowed: a model saved as safetensors") from None
+    except Exception as exc:  # a damaged file: safetensors raises its own error type
+        if type(exc).__name__ != "SafetensorError":
+            raise
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ConfigError(f"{key}: the safetensors weights in {where!r} are damaged ({reason[:160]}); allowed: a complete model.safetensors") from None
     return model.to(device)
 
 
