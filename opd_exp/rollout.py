@@ -56,6 +56,28 @@ class _VocabLimit:
         return scores
 
 
+class RowKeyedSampler:
+    """Logits processor that samples each row from its own generator (Gumbel-max over
+    ``sampling_logits``) and hands generate a one-hot choice (run with ``do_sample=False``).
+
+    Row i's tokens depend only on ``seeds[i]`` and its own logits, never on which other rows
+    share the batch: a global batch split across ranks samples the same tokens as one process
+    (up to float-level ties between logits computed at different batch shapes)."""
+
+    def __init__(self, seeds: Sequence[int], device, vocab_size: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+        self.gens = [torch.Generator(device=device).manual_seed(int(s) % (2**63)) for s in seeds]
+        self.vocab_size, self.temperature, self.top_k, self.top_p = vocab_size, temperature, top_k, top_p
+
+    def __call__(self, input_ids, scores):
+        V = self.vocab_size
+        z = sampling_logits(scores[:, :V], self.temperature, self.top_k, self.top_p)
+        u = torch.stack([torch.rand(V, generator=g, device=z.device) for g in self.gens])
+        gumbel = -torch.log(-torch.log(u.clamp(min=1e-20, max=1.0 - 1e-7)))
+        choice = (z + gumbel).argmax(-1, keepdim=True)  # a draw from softmax(z)
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter_(1, choice, 0.0)
+
+
 @dataclass
 class Batch:
     """Prompt+response token ids of N sequences, response-aligned at column ``prompt_len``."""
@@ -163,11 +185,17 @@ def generate(
     source: str = "student",
     vocab_size: int | None = None,
     return_scores: bool = False,
+    row_seeds: Sequence[int] | None = None,
+    synced_gpus: bool = False,
 ):
     """Sample ``n_samples`` responses per prompt (rows ordered prompt-major).
 
     ``vocab_size``: ids at or above it (padded embedding rows, absent from the tokenizer and
     from the other model) are never sampled; the trainer slices logits to the same size.
+    ``row_seeds`` (one per row, rows = len(prompts) * n_samples): sample each row from its own
+    generator (``RowKeyedSampler``) instead of torch's global RNG; the distribution is the same
+    ``sampling_logits``. ``synced_gpus``: keep every rank stepping until all ranks finish
+    (FSDP: each forward is a collective).
     Returns a ``Batch`` (and, with ``return_scores``, generate's processed scores
     ``[N, R, V]``, for tests only: they cost N*R*V floats).
     """
@@ -184,17 +212,26 @@ def generate(
         max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, do_sample=do_sample,
         return_dict_in_generate=True, output_scores=return_scores,
     )
-    if do_sample:
+    processors = [_VocabLimit(vocab_size)] if vocab_size else []
+    if do_sample and row_seeds is not None:
+        if len(row_seeds) != ids.shape[0]:
+            raise ValueError(f"row_seeds has {len(row_seeds)} seeds for {ids.shape[0]} rows")
+        V = vocab_size or model.get_output_embeddings().weight.shape[0]
+        processors = [RowKeyedSampler(row_seeds, device, V, temperature, top_k, top_p)]
+        kwargs["do_sample"] = False  # the processor has drawn the token: generate takes the argmax
+    elif do_sample:
         # top_k=0 and top_p=1.0 switch those filters off (HF's own defaults would apply top_k=50).
         kwargs.update(temperature=temperature, top_k=top_k, top_p=top_p)
     gen_cfg = GenerationConfig(**kwargs)
     was_training = model.training
     model.eval()
+    extra = {"synced_gpus": True} if synced_gpus else {}
     out = model.generate(
         input_ids=ids.to(device),
         attention_mask=mask.to(device),
         generation_config=gen_cfg,
-        logits_processor=LogitsProcessorList([_VocabLimit(vocab_size)]) if vocab_size else None,
+        logits_processor=LogitsProcessorList(processors) if processors else None,
+        **extra,
     )
     model.train(was_training)
     seq = out.sequences

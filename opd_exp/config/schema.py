@@ -75,6 +75,22 @@ class Precision(Enum):
     fp16 = "fp16"
 
 
+class Parallel(Enum):
+    none = "none"  # one process
+    ddp = "ddp"  # torch DistributedDataParallel, one process per device (torchrun)
+    fsdp = "fsdp"  # FSDP2 (torch.distributed.fsdp.fully_shard): student sharded across ranks
+
+
+class ParamDtype(Enum):
+    fp32 = "fp32"  # fp32 weights (with precision=bf16: bf16 autocast over fp32 master weights)
+    bf16 = "bf16"  # bf16 weights (and bf16 optimizer state): half the memory, no master copy
+
+
+class RolloutEngine(Enum):
+    hf = "hf"  # transformers generate on the training copy of the model
+    vllm = "vllm"  # a vLLM engine (optional extra), weights synced after every update
+
+
 class LoggerName(Enum):
     wandb = "wandb"
     none = "none"
@@ -170,8 +186,16 @@ class RolloutConfig:
     max_new_tokens: int = 40
     # GKD's lambda: share of steps whose responses the student samples (the rest: the teacher)
     on_policy_fraction: float = 1.0
+    # hf: transformers generate | vllm: a vLLM engine (pip install 'opd-exp[vllm]'; docs/scale.md)
+    engine: RolloutEngine = RolloutEngine.hf
+    # vllm only: share of the GPU's memory the engine may take (the trainer needs the rest)
+    vllm_gpu_memory_utilization: float = 0.3
 
     def __post_init__(self) -> None:
+        _check(
+            _finite(self.vllm_gpu_memory_utilization) and 0.0 < self.vllm_gpu_memory_utilization < 1.0,
+            "rollout.vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, "0 < x < 1",
+        )
         _check(self.n_samples >= 1, "rollout.n_samples", self.n_samples, "integer >= 1")
         _check(_finite(self.temperature) and self.temperature > 0, "rollout.temperature", self.temperature, "> 0")
         _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "rollout.top_p", self.top_p, "0 < top_p <= 1")
@@ -233,8 +257,33 @@ class TrainerConfig:
     # stop (exit 3) after this many steps in a row whose loss, gradient norm or teacher
     # log-probs were NaN/inf; each such step is skipped (no update) and counted
     max_bad_steps: int = 10
+    # none | ddp | fsdp: multi-process training under torchrun (docs/scale.md); with ddp/fsdp
+    # batch_size is the GLOBAL batch, split across ranks, and each sampled row draws from its
+    # own generator keyed by (seed, step, global row), so any world size samples the same batch
+    parallel: Parallel = Parallel.none
+    # student weights: fp32 (master weights; add precision=bf16 for autocast) | bf16
+    param_dtype: ParamDtype = ParamDtype.fp32
+    # teacher weights (no grad, never updated): fp32 | bf16
+    teacher_dtype: ParamDtype = ParamDtype.fp32
+    # recompute the student's activations in backward (less memory, ~30% more compute)
+    grad_checkpointing: bool = False
+    # where the teacher lives: same (the student's device) | cpu | cuda | cuda:N
+    teacher_device: str = "same"
+    # LoRA adapters on the student (0: off, full fine-tuning); needs peft (opd-exp[lora])
+    lora_rank: int = 0
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    # module names that get adapters (Qwen/Llama attention projections by default)
+    lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
     def __post_init__(self) -> None:
+        tdev = self.teacher_device
+        _check(tdev in ("same", "cpu", "cuda") or (tdev.startswith("cuda:") and tdev[5:].isdigit()),
+               "trainer.teacher_device", tdev, "same, cpu, cuda, cuda:N")
+        _check(isinstance(self.lora_rank, int) and self.lora_rank >= 0, "trainer.lora_rank", self.lora_rank, "integer >= 0 (0: off)")
+        _check(_finite(self.lora_alpha) and self.lora_alpha > 0, "trainer.lora_alpha", self.lora_alpha, "> 0")
+        _check(_finite(self.lora_dropout) and 0.0 <= self.lora_dropout < 1.0, "trainer.lora_dropout", self.lora_dropout, "0 <= x < 1")
+        _check(len(self.lora_target_modules) >= 1, "trainer.lora_target_modules", self.lora_target_modules, "at least one module name")
         _check(self.max_steps >= 0, "trainer.max_steps", self.max_steps, "integer >= 0")
         _check(self.batch_size >= 1, "trainer.batch_size", self.batch_size, "integer >= 1")
         _check(self.micro_batch_size >= 0, "trainer.micro_batch_size", self.micro_batch_size, "integer >= 0")
@@ -313,4 +362,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _fail("loss.credit", cfg.loss.credit.value, "token with loss=direct (sequence credit needs ppo or reinforce)")
     if cfg.divergence.clip is not None and cfg.divergence.name is not DivergenceName.fkl:
         _fail("divergence.clip", cfg.divergence.clip, f"null for divergence={cfg.divergence.name.value} (clip is fkl's)")
+    tc = cfg.trainer
+    if tc.param_dtype is ParamDtype.bf16 and tc.precision is Precision.fp16:
+        _fail("trainer.precision", "fp16", "fp32 or bf16 with trainer.param_dtype=bf16 (fp16 autocast over bf16 weights loses range)")
+    if tc.parallel is not Parallel.none and tc.device == "mps":
+        _fail("trainer.device", "mps", f"auto, cpu, cuda with trainer.parallel={tc.parallel.value} (no process group backend for mps)")
+    if cfg.rollout.engine is RolloutEngine.vllm:
+        if tc.parallel is not Parallel.none:
+            _fail("rollout.engine", "vllm", f"hf with trainer.parallel={tc.parallel.value} (the vLLM engine is single-process for now)")
+        if tc.lora_rank:
+            _fail("rollout.engine", "vllm", "hf with trainer.lora_rank > 0 (adapter weights are not synced into vLLM)")
     return cfg
