@@ -29,7 +29,7 @@ class EmbeddedModelConfig:
     num_heads: int = 4  # attention heads (must divide hidden_size)
     num_kv_heads: int = 2  # key/value heads (grouped-query attention; divides num_heads)
     intermediate_size: int = 256  # MLP width
-    sft_steps: int = 5000  # optimizer steps of supervised fine-tuning on worked solutions
+    sft_steps: int = 4000  # optimizer steps of supervised fine-tuning on worked solutions
     batch_size: int = 64  # problems per SFT step
     lr: float = 3e-3  # peak AdamW learning rate (warm-up, then cosine decay to lr/10)
 
@@ -49,7 +49,7 @@ class EmbeddedModelConfig:
 
 def _teacher() -> EmbeddedModelConfig:
     return EmbeddedModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                               intermediate_size=256, sft_steps=5000, batch_size=64, lr=3e-3)
+                               intermediate_size=256, sft_steps=4000, batch_size=64, lr=3e-3)
 
 
 def _student() -> EmbeddedModelConfig:
