@@ -34,6 +34,8 @@ from typing import Any
 import torch
 
 from opd_exp import checkpoint
+from opd_exp import distributed as dist_util
+from opd_exp import precision as prec
 from opd_exp.errors import ConfigError
 from opd_exp.guards import Diverged, NonFinite, Preempted, PreemptionGuard, nonfinite_summary
 from opd_exp.config.schema import LoggerName, Precision, Schedule, TrainConfig
@@ -99,12 +101,18 @@ class DataCursor:
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, *, pair=None, task=None, sinks: list[Sink] | None = None):
         self.cfg = cfg
-        self.run_dir = Path(run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         tc = cfg.trainer
         if tc.num_threads:
             torch.set_num_threads(tc.num_threads)
-        self.device = resolve_device(tc.device)
+        # torchrun ranks (trainer.parallel=ddp|fsdp; docs/scale.md): process group + this rank's device
+        self.dist, self.device = dist_util.setup(tc.parallel.value, tc.device)
+        self.run_dir = Path(dist_util.broadcast_object(str(run_dir), self.dist))  # rank 0's folder for all
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        prec.require_peft(tc)  # optional extras fail here, before any model loads
+        if cfg.rollout.engine.value == "vllm":
+            from opd_exp.rollout_vllm import require_vllm
+
+            require_vllm()
         torch.manual_seed(cfg.seed)
         if task is None:
             from opd_exp.tasks import build_task
@@ -115,8 +123,9 @@ class Trainer:
 
             pair = load_pair(cfg.model_pair, cfg.task, self.device)
         self.task = task
-        self.student = pair.student.to(self.device)
-        self.teacher = pair.teacher.to(self.device).eval().requires_grad_(False)
+        self.student = prec.prepare_student(pair.student, tc, self.device)  # dtype, grad ckpt, LoRA
+        self.teacher_device = prec.teacher_device(tc, self.device)
+        self.teacher = prec.prepare_teacher(pair.teacher, tc, self.teacher_device)  # frozen, no grad
         self.tokenizer = pair.tokenizer
         self.vocab_size = int(pair.vocab_size)
         self.student.train()
@@ -133,6 +142,9 @@ class Trainer:
             "eval/kl_reverse": get_divergence("rkl"),
             "eval/kl_forward": get_divergence("fkl"),
         }
+        # The training forward goes through DDP / the FSDP2-sharded model; generate, eval and
+        # checkpoints use the plain module (fully_shard works in place: the same object).
+        self.train_module = dist_util.wrap_student(self.student, self.dist, self.device)
         self.params = [p for p in self.student.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
@@ -142,6 +154,7 @@ class Trainer:
         self._extra_sinks = sinks
         self._warned: set[str] = set()
         self._progress: Progress | None = None
+        self.engine = None  # rollout.engine=vllm: the vLLM engine, built on first use
 
     def warn(self, line: str) -> None:
         """One line on stderr (through the progress bar while it is shown)."""
@@ -206,6 +219,8 @@ class Trainer:
         prompts = [self.task.render_prompt(p, self.tokenizer) for p in problems]
         self._n_truncated = self._truncated(prompts)
         on_policy = self._on_policy(step)
+        if self.dist.row_keyed or self.cfg.rollout.engine.value == "vllm":
+            return self._sample_rows(prompts, step, on_policy).to(self.device)
         with self._autocast():
             batch = generate(
                 self.student if on_policy else self.teacher,
@@ -220,30 +235,75 @@ class Trainer:
                 source="student" if on_policy else "teacher",
                 vocab_size=self.vocab_size,
             )
-        return batch
+        return batch.to(self.device)
 
-    def accumulate(self, batch) -> tuple[float, dict[str, float]]:
-        """Forward/backward over micro-batches; gradients equal those of the whole batch."""
-        cfg = self.cfg
-        n_tokens = batch.num_response_tokens  # global count: every micro-batch divides by it
+    def _sample_rows(self, prompts, step: int, on_policy: bool):
+        """This rank's rows of the step's global batch (rows prompt-major, as one process lays
+        them out), each sampled from a generator keyed by (seed, step, global row)."""
+        ro, ds = self.cfg.rollout, self.dist
+        n = ro.n_samples
+        rows = range(len(prompts) * n)[dist_util.shard(len(prompts) * n, ds)]
+        row_prompts = [prompts[r // n] for r in rows]
+        seeds = dist_util.row_seeds(self.cfg.seed, step, rows)
+        source = "student" if on_policy else "teacher"
+        if self.cfg.rollout.engine.value == "vllm" and on_policy:
+            batch = self._vllm().generate(row_prompts, seeds)
+        else:
+            with self._autocast():
+                batch = generate(
+                    self.student if on_policy else self.teacher, self.tokenizer, row_prompts, n_samples=1,
+                    max_new_tokens=ro.max_new_tokens, max_prompt_tokens=ro.max_prompt_tokens,
+                    temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p, source=source,
+                    vocab_size=self.vocab_size, row_seeds=seeds,
+                    synced_gpus=on_policy and ds.active and ds.parallel == "fsdp",
+                )
+        return dataclasses.replace(batch, prompt_index=torch.tensor([r // n for r in rows], device=batch.input_ids.device))
+
+    def _vllm(self):
+        if self.engine is None:
+            from opd_exp.rollout_vllm import VllmRollout
+
+            self.engine = VllmRollout.from_config(self.cfg, self.student, self.tokenizer, self.vocab_size)
+        return self.engine
+
+    def _teacher_logits(self, batch):
+        """Teacher logits on the student's device (the teacher may live on another one)."""
+        if self.teacher_device == self.device:
+            return teacher_logits(self.teacher, batch, self.vocab_size, temperature=self.cfg.divergence.temperature)
+        z = teacher_logits(self.teacher, batch.to(self.teacher_device), self.vocab_size, temperature=self.cfg.divergence.temperature)
+        return z.to(self.device)
+
+    def accumulate(self, batch, n_tokens: int | None = None) -> tuple[float, dict[str, float]]:
+        """Forward/backward over micro-batches; gradients equal those of the whole batch.
+
+        ``n_tokens``: the step's GLOBAL response-token count (all ranks; default: this batch's).
+        Under DDP/FSDP each rank's loss is scaled by the world size (they average gradients),
+        every rank runs the same number of micro-batches, and the teacher check is agreed on by
+        all ranks before any backward (a collective missed by one rank would hang the others)."""
+        cfg, ds = self.cfg, self.dist
+        n_tokens = batch.num_response_tokens if n_tokens is None else n_tokens  # every micro-batch divides by it
         on_policy = batch.source == "student"
         loss_total, sums = 0.0, defaultdict(float)
-        for mb in batch.micro_batches(cfg.trainer.micro_batch_size):
-            if mb.num_response_tokens == 0:
+        mbs = list(batch.micro_batches(cfg.trainer.micro_batch_size))
+        for i, mb in enumerate(mbs):
+            if mb.num_response_tokens == 0 and not ds.active:
                 continue
             with self._autocast():
-                zt = teacher_logits(self.teacher, mb, self.vocab_size, temperature=cfg.divergence.temperature)
+                zt = self._teacher_logits(mb)
                 # Caught here, before the loss: a NaN teacher logit would turn the loss (and, via
                 # masked positions, the gradient) into NaN with no hint where it came from.
                 bad = nonfinite_summary(zt)
-                if bad is not None:
-                    raise NonFinite(f"teacher log-probs are not finite at step {self.step + 1} ({bad} teacher logits)")
-                zs = student_logits(
-                    self.student, mb, self.vocab_size,
-                    temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
-                )
+                if dist_util.any_rank(bad is not None, ds):
+                    where = f"{bad} teacher logits" if bad is not None else "on another rank"
+                    raise NonFinite(f"teacher log-probs are not finite at step {self.step + 1} ({where})")
+                with dist_util.no_sync(self.train_module, ds, last=i == len(mbs) - 1):
+                    zs = student_logits(
+                        self.train_module, mb, self.vocab_size,
+                        temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
+                    )
             out = self.objective(zs, zt, mb.response_ids, mb.response_mask, on_policy=on_policy, normalizer=n_tokens)
-            out.loss.backward()
+            with dist_util.no_sync(self.train_module, ds, last=i == len(mbs) - 1):
+                (out.loss * ds.world_size if ds.active else out.loss).backward()
             loss_total += float(out.loss.detach())
             for k, v in out.sums.items():
                 sums[k] += v
@@ -257,22 +317,27 @@ class Trainer:
         t_rollout = time.perf_counter() - t0
         step, guard, problem = self.step + 1, self.guard, None
         self.optimizer.zero_grad(set_to_none=True)
-        if batch.num_response_tokens == 0:
+        n_global, seq_global = (int(x) for x in dist_util.all_reduce_sum([batch.num_response_tokens, batch.num_sequences], self.dist))
+        if n_global == 0:
             # Nothing to learn from: a no-op step (no update), counted; never a 0/0 NaN.
             loss, sums, grad_norm = 0.0, {}, 0.0
             guard["empty_steps"] += 1
             self._warn_once("empty", f"step {step} has no response tokens: no update (counted in guard/empty_steps)")
         else:
             try:
-                loss, sums = self.accumulate(batch)
+                loss, sums = self.accumulate(batch, n_global)
+                if self.dist.active:  # token-weighted: sums of per-token values, then / global count
+                    loss, *vals = dist_util.all_reduce_sum([loss, *(sums.get(k, 0.0) for k in TOKEN_METRICS)], self.dist)
+                    extra = sorted(set(sums) - set(TOKEN_METRICS))
+                    sums = {**dict(zip(TOKEN_METRICS, vals)), **dist_util.reduce_sums(sums, extra, self.dist)}
                 max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
-                grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+                grad_norm = dist_util.grad_norm_value(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
             except NonFinite as ex:
                 loss, sums, grad_norm, problem = float("nan"), {k: float("nan") for k in TOKEN_METRICS}, float("nan"), str(ex)
             if problem is None and not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 problem = f"loss={loss}, grad/norm={grad_norm}"
         finite = problem is None
-        if finite and batch.num_response_tokens:  # a non-finite loss or gradient never reaches the weights
+        if finite and n_global:  # a non-finite loss or gradient never reaches the weights
             self.optimizer.step()
         if finite:
             guard["bad_in_a_row"] = 0
@@ -289,12 +354,12 @@ class Trainer:
             self.scheduler.step()
         self.step += 1
         dt = time.perf_counter() - t0
-        n_tok = max(batch.num_response_tokens, 1)
+        n_tok = max(n_global, 1)
         metrics = {k: v / n_tok for k, v in sums.items()}
         metrics.update(
             {
                 "loss": loss,
-                "response/length_mean": batch.num_response_tokens / batch.num_sequences,
+                "response/length_mean": n_global / max(seq_global, 1),
                 "grad/norm": grad_norm,
                 "grad/skipped": 0.0 if finite else 1.0,
                 "guard/skipped_steps": float(guard["skipped_steps"]),
@@ -302,7 +367,7 @@ class Trainer:
                 "rollout/truncated_prompts": float(getattr(self, "_n_truncated", 0)),
                 "lr": lr,
                 "rollout/on_policy": 1.0 if batch.source == "student" else 0.0,
-                "perf/tokens_per_s": batch.num_response_tokens / dt,
+                "perf/tokens_per_s": n_global / dt,
                 "perf/step_s": dt,
                 "perf/rollout_s": t_rollout,
             }
@@ -346,7 +411,7 @@ class Trainer:
             texts = decode_responses(self.tokenizer, batch)
             correct += sum(bool(self.task.verify(txt, p.answer)) for txt, p in zip(texts, chunk))
             with self._autocast():
-                zt = teacher_logits(self.teacher, batch, self.vocab_size, temperature=cfg.divergence.temperature)
+                zt = self._teacher_logits(batch)
                 zs = student_logits(
                     self.student, batch, self.vocab_size,
                     temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
@@ -364,6 +429,8 @@ class Trainer:
 
     # -- the run --------------------------------------------------------------
     def _sinks(self, resume_step: int | None) -> Sink:
+        if not self.dist.is_main:  # metrics.jsonl and W&B belong to rank 0
+            return MultiSink([])
         sinks: list[Sink] = [JsonlSink(self.run_dir / "metrics.jsonl", resume_step=resume_step)]
         lg = self.cfg.logger
         extra = list(self._extra_sinks or [])
@@ -376,10 +443,20 @@ class Trainer:
         return {"data": self.cursor.state(), **self.state}
 
     def save(self) -> Path:
-        return checkpoint.save(
-            self.run_dir, self.step, self.student, self.optimizer, self.scheduler, self._loop_state(),
-            keep=self.cfg.trainer.keep_checkpoints,
-        )
+        """Rank 0 writes (FSDP2: every rank first gathers the full state); all ranks then agree."""
+        ds = self.dist
+        model, optimizer = self.student, self.optimizer
+        if ds.active and ds.parallel == "fsdp":  # collectives: every rank takes part
+            model = dist_util.Frozen(dist_util.FullModelView(self.student).state_dict())
+            optimizer = dist_util.Frozen(dist_util.FullOptimizerView(self.student, self.optimizer).state_dict())
+        path = checkpoint.checkpoint_root(self.run_dir) / f"step_{self.step:06d}"
+        if ds.is_main:
+            path = checkpoint.save(
+                self.run_dir, self.step, model, optimizer, self.scheduler, self._loop_state(),
+                keep=self.cfg.trainer.keep_checkpoints,
+            )
+        dist_util.barrier(ds)
+        return path
 
     def resume(self) -> bool:
         """Load the newest complete checkpoint; one that fails to load (damaged, or from a
@@ -396,7 +473,11 @@ class Trainer:
         first_error = None
         for step, path in reversed(found):
             try:
-                st = checkpoint.load(path, self.student, self.optimizer, self.scheduler)
+                if self.dist.active and self.dist.parallel == "fsdp":  # full state in, sharded in place
+                    st = checkpoint.load(path, dist_util.FullModelView(self.student),
+                                         dist_util.FullOptimizerView(self.student, self.optimizer), self.scheduler)
+                else:
+                    st = checkpoint.load(path, self.student, self.optimizer, self.scheduler)
                 break
             except Exception as ex:  # noqa: BLE001 - any damage: try the older one
                 reason = (str(ex).strip().splitlines() or [type(ex).__name__])[0][:200]
@@ -419,11 +500,12 @@ class Trainer:
         """Train to ``trainer.max_steps`` (resuming if the folder holds a checkpoint) and
         return the summary. ``stop_after`` ends the session early after that many steps,
         as an interruption would (tests use it)."""
-        with checkpoint.RunLock(self.run_dir), PreemptionGuard() as preempt:
+        lock = checkpoint.RunLock(self.run_dir) if self.dist.is_main else contextlib.nullcontext()  # rank 0 holds the folder
+        with lock, PreemptionGuard() as preempt:
             summary = self._run(preempt, stop_after)
         if isinstance(summary, Preempted):
             raise summary
-        if summary:
+        if summary and self.dist.is_main:
             print(self.summary_line(summary), flush=True)  # stdout: `opd-train | tail -1` is the result
         return summary
 
@@ -443,7 +525,7 @@ class Trainer:
             done_now = 0
             # A signal only sets a flag; it is acted on here, between steps, so a checkpoint
             # is never taken of a half-done step.
-            while self.step < tc.max_steps and not preempt.requested:
+            while self.step < tc.max_steps and not self._stop_requested(preempt):
                 metrics = self.train_step()
                 last = self.step == tc.max_steps
                 if (tc.eval_every and self.step % tc.eval_every == 0) or last:
@@ -469,8 +551,10 @@ class Trainer:
                 done_now += 1
                 if stop_after is not None and done_now >= stop_after and not last:
                     return {}
-            if preempt.requested and self.step < tc.max_steps:
-                stop = Preempted(preempt.signum, self.step, self.save())
+            if self._stop_requested(preempt) and self.step < tc.max_steps:
+                import signal as _signal
+
+                stop = Preempted(preempt.signum or _signal.SIGTERM, self.step, self.save())
                 stop.previous_handler = preempt.previous_handler()
                 return stop
             summary = self.summary()
@@ -480,6 +564,10 @@ class Trainer:
             self._progress = None
             sink.close()
         return summary
+
+    def _stop_requested(self, preempt: PreemptionGuard) -> bool:
+        """A preemption signal seen by any rank stops every rank at the same step boundary."""
+        return dist_util.any_rank(preempt.requested, self.dist)
 
     def summary(self) -> dict[str, Any]:
         before, after = self.state.get("eval_before", {}), self.state.get("eval_last", {})
