@@ -76,13 +76,15 @@ def _app(cfg: DictConfig) -> float:
     from opd_exp.trainer import Trainer  # heavy imports only after the config is known good
 
     try:
-        trainer = Trainer(typed, run_dir, sinks=sinks)
-    except BaseException:
-        for sink in sinks:
-            sink.close()  # inside the exception: the W&B run is marked failed
-        raise
-    try:
+        try:
+            trainer = Trainer(typed, run_dir, sinks=sinks)
+        except BaseException:
+            for sink in sinks:
+                sink.close()  # inside the exception: the W&B run is marked failed
+            raise
         summary = trainer.run()
+    except ConfigError as ex:  # a bad input found while loading (data, models, run folder): one line
+        _fail(ex)
     except Preempted as ex:
         # Exit from inside the job: in a multirun Hydra would go on to the next job.
         print(f"opd-train: preempted: {ex}", file=sys.stderr, flush=True)
@@ -90,9 +92,12 @@ def _app(cfg: DictConfig) -> float:
             ex.previous_handler(ex.signum, None)  # submitit's: requeues the job, then exits
         sys.exit(EXIT_PREEMPTED)
     except Diverged as ex:
-        # Raised on (not exited): in a multirun the other jobs still run; main() exits 3.
         print(f"opd-train: error: {ex}", file=sys.stderr, flush=True)
-        raise
+        from hydra.types import RunMode
+
+        if HydraConfig.get().mode != RunMode.MULTIRUN:
+            sys.exit(EXIT_DIVERGED)
+        raise  # in a multirun the other jobs still run; main() exits 3 at the end
     return float(summary.get("eval/kl_reverse", float("nan")))  # what a sweeper minimises
 
 
