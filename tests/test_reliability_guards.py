@@ -17,7 +17,7 @@ from opd_exp.guards import Diverged
 from opd_exp.sinks import JsonlSink
 from opd_exp.trainer import Trainer
 import opd_exp.trainer as trainer_mod
-from reliability_util import read_metrics
+from reliability_util import local_pair_dir, read_metrics  # noqa: F401
 
 
 def _params(model):
@@ -211,3 +211,36 @@ def test_resave_of_an_existing_step_keeps_the_complete_checkpoint(tiny_pair, tmp
     before = _digest(path)
     monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda *a, **k: pytest.fail("removed a complete checkpoint"))
     assert t.save() == path and _digest(path) == before
+
+
+def test_preemption_under_submitit_saves_then_hands_over_to_its_handler(local_pair_dir, tmp_path, monkeypatch, capsys):
+    """submitit installs its own SIGUSR2 handler (checkpoint + requeue + exit) before the job
+    runs; opd-train defers it to the step boundary, saves, then calls it."""
+    import os
+    import signal
+
+    from reliability_util import BASE, pair_args, run_in_process
+
+    calls = []
+
+    def submitit_like(signum, frame):
+        calls.append((signum, [s for s, _ in checkpoint.list_checkpoints(tmp_path / "run")]))
+        raise SystemExit(-1)  # what submitit does after requeueing
+
+    real_step = Trainer.train_step
+
+    def step_and_signal(self):
+        out = real_step(self)
+        if self.step == 3:
+            os.kill(os.getpid(), signal.SIGUSR2)
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", step_and_signal)
+    previous = signal.signal(signal.SIGUSR2, submitit_like)
+    try:
+        code, _, err = run_in_process(pair_args(local_pair_dir) + BASE + ["trainer.max_steps=8"], tmp_path / "run", monkeypatch, capsys)
+        assert signal.getsignal(signal.SIGUSR2) is submitit_like  # opd-train put it back
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    assert code == -1 and calls == [(signal.SIGUSR2, [3])], (code, calls, err[-2000:])
+    assert "opd-train: preempted: SIGUSR2 received: checkpoint at step 3 saved to " in err
