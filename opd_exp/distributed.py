@@ -195,7 +195,7 @@ def wrap_student(model, ds: DistState, device: torch.device, param_dtype: torch.
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [device.index] if device.type == "cuda" else None
-        return DDP(model, device_ids=ids, broadcast_buffers=False)
+        return DDP(model, device_ids=ids)
     if ds.parallel == "fsdp":
         from torch.distributed.fsdp import fully_shard
 
@@ -247,7 +247,8 @@ class FullModelView:
     def state_dict(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        sd = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return compact(sd)
 
     def load_state_dict(self, sd, strict: bool = True):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
@@ -256,6 +257,21 @@ class FullModelView:
 
     def parameters(self):
         yield torch.zeros(())  # load the file on CPU; set_model_state_dict shards it
+
+
+def compact(sd: dict) -> dict:
+    """Each tensor in its own storage (gathered tensors can be views of one flat buffer, which
+    safetensors refuses); tensors that shared memory (tied embeddings) still share it."""
+    out, seen = {}, {}
+    for k, v in sd.items():
+        if not isinstance(v, torch.Tensor):
+            out[k] = v
+            continue
+        key = (v.data_ptr(), tuple(v.shape), v.stride(), v.dtype)
+        if key not in seen:
+            seen[key] = v.detach().clone().contiguous()
+        out[k] = seen[key]
+    return out
 
 
 class FullOptimizerView:

@@ -107,6 +107,8 @@ class Trainer:
         # torchrun ranks (trainer.parallel=ddp|fsdp; docs/scale.md): process group + this rank's device
         self.dist, self.device = dist_util.setup(tc.parallel.value, tc.device)
         self.run_dir = Path(dist_util.broadcast_object(str(run_dir), self.dist))  # rank 0's folder for all
+        if self.dist.row_keyed:
+            dist_util.shard(tc.batch_size * cfg.rollout.n_samples, self.dist)  # rows split evenly, or one line now
         self.run_dir.mkdir(parents=True, exist_ok=True)
         prec.require_peft(tc)  # optional extras fail here, before any model loads
         if cfg.rollout.engine.value == "vllm":
@@ -501,8 +503,12 @@ class Trainer:
         return the summary. ``stop_after`` ends the session early after that many steps,
         as an interruption would (tests use it)."""
         lock = checkpoint.RunLock(self.run_dir) if self.dist.is_main else contextlib.nullcontext()  # rank 0 holds the folder
-        with lock, PreemptionGuard() as preempt:
-            summary = self._run(preempt, stop_after)
+        try:
+            with lock, PreemptionGuard() as preempt:
+                summary = self._run(preempt, stop_after)
+        finally:
+            if self.dist.active and stop_after is None:
+                dist_util.teardown()  # this process's one run is over (or failed)
         if isinstance(summary, Preempted):
             raise summary
         if summary and self.dist.is_main:
