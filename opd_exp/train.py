@@ -65,7 +65,8 @@ def _app(cfg: DictConfig) -> float:
     except ConfigError as ex:  # exit here: Hydra would add its own "Error executing job" line
         _fail(ex)
     sinks = []
-    if typed.logger.name.value == "wandb":  # start W&B before the models load: a failure stops at once
+    # start W&B before the models load: a failure stops at once; under torchrun, rank 0 only
+    if typed.logger.name.value == "wandb" and os.environ.get("RANK", "0") == "0":
         from opd_exp.sinks import WandbSink
         from opd_exp.tracking import TrackingError
 
