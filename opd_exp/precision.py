@@ -56,9 +56,12 @@ def autocast(device: torch.device, precision: str):
 
 def enable_grad_checkpointing(model) -> None:
     """Non-reentrant activation checkpointing (works with DDP, FSDP2, LoRA and frozen inputs)."""
-    if not hasattr(model, "gradient_checkpointing_enable"):
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    elif hasattr(model, "gradient_checkpointing_enable"):
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
         raise ConfigError(f"trainer.grad_checkpointing=true: {type(model).__name__} does not support it; allowed: false")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if hasattr(model, "config"):
         model.config.use_cache = False
 
