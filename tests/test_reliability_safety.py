@@ -95,7 +95,7 @@ def test_a_tampered_optimizer_file_is_refused_not_executed(tiny_pair, tmp_path):
     ckpt = checkpoint.latest(tmp_path)
     marker = tmp_path / "pwned"
     with open(ckpt / "optimizer.pt", "wb") as f:
-        pickle.dump({"optimizer": _Payload(marker)}, f)
+        pickle.dump({"optimizer": _Payload(marker)}, f, protocol=2)
     manifest = json.loads((ckpt / checkpoint.MANIFEST).read_text())  # an attacker fixes the sizes too
     manifest["sizes"]["optimizer.pt"] = (ckpt / "optimizer.pt").stat().st_size
     (ckpt / checkpoint.MANIFEST).write_text(json.dumps(manifest))
