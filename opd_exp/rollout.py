@@ -14,7 +14,7 @@ tokens were drawn from (tests compare them with generate's own processed scores)
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -89,6 +89,9 @@ class Batch:
     response_mask: torch.Tensor  # [N, R] bool: up to and including the first EOS
     prompt_index: torch.Tensor  # [N] index of each row's problem in the step's prompt list
     source: str = "student"  # who sampled the responses: "student" or "teacher"
+    # [N, R] log-probs of the sampled tokens as the rollout ENGINE computed them (vLLM only;
+    # None for HF generate, whose distribution is the trainer's own): compared, not trained on
+    sampling_logprobs: Optional[torch.Tensor] = None
 
     @property
     def response_ids(self) -> torch.Tensor:
@@ -115,6 +118,7 @@ class Batch:
                 position_ids=self.position_ids[sl],
                 response_mask=self.response_mask[sl],
                 prompt_index=self.prompt_index[sl],
+                sampling_logprobs=None if self.sampling_logprobs is None else self.sampling_logprobs[sl],
             )
 
     def to(self, device) -> "Batch":
@@ -125,6 +129,7 @@ class Batch:
             position_ids=self.position_ids.to(device),
             response_mask=self.response_mask.to(device),
             prompt_index=self.prompt_index.to(device),
+            sampling_logprobs=None if self.sampling_logprobs is None else self.sampling_logprobs.to(device),
         )
 
 
