@@ -42,7 +42,7 @@ from opd_exp.config.schema import LoggerName, Precision, Schedule, TrainConfig
 from opd_exp.divergences import get_divergence
 from opd_exp.objective import TOKEN_METRICS, Objective, exact_divergences, metric_beta
 from opd_exp.rollout import decode_responses, generate
-from opd_exp.scoring import student_logits, teacher_logits
+from opd_exp.scoring import student_logits, teacher_logits, token_logprobs
 from opd_exp.sinks import JsonlSink, MultiSink, Progress, Sink, WandbSink
 
 
@@ -249,7 +249,9 @@ class Trainer:
         seeds = dist_util.row_seeds(self.cfg.seed, step, rows)
         source = "student" if on_policy else "teacher"
         if self.cfg.rollout.engine.value == "vllm" and on_policy:
-            batch = self._vllm().generate(row_prompts, seeds)
+            engine = self._vllm()
+            engine.sync_weights(self.student, version=self.step)  # after every update: the engine samples this student
+            batch = engine.generate(row_prompts, seeds)
         else:
             with self._autocast():
                 batch = generate(
@@ -265,7 +267,7 @@ class Trainer:
         if self.engine is None:
             from opd_exp.rollout_vllm import VllmRollout
 
-            self.engine = VllmRollout.from_config(self.cfg, self.student, self.tokenizer, self.vocab_size)
+            self.engine = VllmRollout.from_config(self.cfg, self.student, self.tokenizer, self.vocab_size, warn=self.warn)
         return self.engine
 
     def _teacher_logits(self, batch):
@@ -304,6 +306,11 @@ class Trainer:
                         temperature=cfg.rollout.temperature, top_k=cfg.rollout.top_k, top_p=cfg.rollout.top_p,
                     )
             out = self.objective(zs, zt, mb.response_ids, mb.response_mask, on_policy=on_policy, normalizer=n_tokens)
+            if mb.sampling_logprobs is not None:  # vLLM: how far the engine's log-probs are from ours
+                from opd_exp.rollout_vllm import logprob_gap_sum
+
+                sums["rollout/engine_logprob_gap"] += logprob_gap_sum(
+                    mb.sampling_logprobs, token_logprobs(zs.detach(), mb.response_ids), mb.response_mask)
             with dist_util.no_sync(self.train_module, ds, last=i == len(mbs) - 1):
                 (out.loss * ds.world_size if ds.active else out.loss).backward()
             loss_total += float(out.loss.detach())

@@ -1,0 +1,199 @@
+"""``rollout.engine=vllm``: sample the student's responses with a vLLM engine (optional extra).
+
+Same interface as the HF rollout: ``generate(prompts, row_seeds)`` returns a ``rollout.Batch``
+laid out exactly as ``rollout.generate`` lays it out (prompts left-padded to a common length P,
+responses from column P, the response mask positional up to and including the first EOS).
+
+Weights: the engine loads the student's folder once; before each rollout the trainer calls
+``sync_weights(student, version=step)``, which pushes the student's current weights into the
+engine when they changed since the last push (i.e. after every optimizer update) and clears
+vLLM's prefix cache (KV blocks computed with the old weights).
+
+Log-probs (the trap): vLLM returns RAW log-probs by default, log softmax of the model's logits
+before temperature, top-k and top-p, not those of the distribution the token was drawn from.
+We handle it twice over:
+
+1. the loss never uses the engine's numbers: the trainer recomputes the student's log-probs
+   of the sampled tokens under its own sampling transform (``rollout.sampling_logits``:
+   logits / temperature, then top-k, then top-p), as it does for HF rollouts;
+2. the engine is started with ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2), so
+   the log-prob it reports is that of the distribution actually sampled; the trainer logs
+   ``rollout/engine_logprob_gap`` = mean |engine - trainer| over response tokens, which
+   measures the engine/trainer mismatch (bf16 kernels, stale weights). A vLLM without
+   ``logprobs_mode`` reports raw log-probs, which would not be comparable: then none are
+   recorded and a warning says so.
+
+Row seeds: each request carries ``SamplingParams(seed=...)`` from (seed, step, global row).
+vLLM's per-request seeds are reproducible within one engine build; they are NOT the same
+stream as the HF ``RowKeyedSampler``, so a vLLM run and an HF run sample different tokens.
+
+Without vllm installed, ``rollout.engine=vllm`` fails at start-up with one line, before any
+model loads (``require_vllm``). Not run on a GPU in this repository's CI: the engine is
+exercised through a fake with vLLM's interface (tests/test_vllm.py).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+
+from opd_exp.errors import ConfigError
+from opd_exp.rollout import Batch, encode_prompts, eos_token_ids, positions_from_mask, response_mask_from_ids
+
+PROCESSED = "processed_logprobs"
+
+
+def require_vllm() -> None:
+    """One line, before any model loads, when the vllm package is missing."""
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            "rollout.engine='vllm' needs the vllm package, which is not installed; "
+            "allowed: pip install 'opd-exp[vllm]' (on a CUDA machine), or rollout.engine=hf"
+        )
+
+
+def _load_weights_on_worker(worker, weights):
+    """Runs inside a vLLM worker (``LLM.collective_rpc``): load HF-named tensors into its model."""
+    model = worker.model_runner.model
+    model.load_weights(weights=weights)
+    return len(weights)
+
+
+class VllmRollout:
+    def __init__(
+        self, llm, tokenizer, *, vocab_size: int, eos_ids: Sequence[int], max_new_tokens: int, max_prompt_tokens: int,
+        temperature: float, top_k: int, top_p: float, processed: bool, sampling_params: Callable[..., Any] | None = None,
+        model_vocab: Optional[int] = None,
+    ):
+        self.llm, self.tokenizer = llm, tokenizer
+        self.vocab_size, self.eos_ids = vocab_size, list(eos_ids)
+        self.max_new_tokens, self.max_prompt_tokens = max_new_tokens, max_prompt_tokens
+        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.processed = processed  # the engine reports log-probs of the sampled distribution
+        self.model_vocab = model_vocab
+        self.sampling_params = sampling_params or self.sampling_params_class()
+        self.version: Optional[int] = None  # the trainer step whose weights the engine holds
+        self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
+
+    # -- construction -------------------------------------------------------
+    @staticmethod
+    def sampling_params_class():
+        from vllm import SamplingParams
+
+        return SamplingParams
+
+    @staticmethod
+    def make_llm(**kwargs):
+        """``vllm.LLM(**kwargs)``; (llm, processed): an older vLLM without ``logprobs_mode``
+        is started without it and reports raw log-probs (processed=False)."""
+        from vllm import LLM
+
+        try:
+            return LLM(**kwargs, logprobs_mode=PROCESSED), True
+        except TypeError as ex:
+            if "logprobs_mode" not in str(ex):
+                raise
+            return LLM(**kwargs), False
+
+    @classmethod
+    def from_config(cls, cfg, student, tokenizer, vocab_size: int, warn: Callable[[str], None] | None = None) -> "VllmRollout":
+        ro, tc = cfg.rollout, cfg.trainer
+        path = getattr(student, "name_or_path", None) or getattr(getattr(student, "config", None), "_name_or_path", None)
+        if not path:
+            raise ConfigError("rollout.engine='vllm': the student has no folder or hub id to start vLLM from; allowed: a model_pair with a saved student")
+        llm, processed = cls.make_llm(
+            model=str(path), tokenizer=str(path), dtype="bfloat16" if tc.param_dtype.value == "bf16" or tc.precision.value == "bf16" else "auto",
+            gpu_memory_utilization=ro.vllm_gpu_memory_utilization, seed=cfg.seed, enable_prefix_caching=False,
+            max_model_len=ro.max_prompt_tokens + ro.max_new_tokens,
+        )
+        if not processed:
+            (warn or (lambda s: print(s, file=sys.stderr, flush=True)))(
+                "opd-train: warning: this vLLM has no logprobs_mode: it reports raw log-probs (before temperature/top-k/top-p), "
+                "so rollout/engine_logprob_gap is not logged; the loss uses the trainer's own log-probs either way"
+            )
+        emb = student.get_output_embeddings() if hasattr(student, "get_output_embeddings") else None
+        model_vocab = int(emb.weight.shape[0]) if emb is not None else None
+        return cls(
+            llm, tokenizer, vocab_size=vocab_size, eos_ids=eos_token_ids(tokenizer, student),
+            max_new_tokens=ro.max_new_tokens, max_prompt_tokens=ro.max_prompt_tokens,
+            temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p, processed=processed, model_vocab=model_vocab,
+        )
+
+    # -- weights ------------------------------------------------------------
+    def sync_weights(self, student, version: int) -> bool:
+        """Push the student's weights into the engine unless it already holds ``version``."""
+        if self.version == version:
+            return False
+        base = student.get_base_model() if hasattr(student, "get_base_model") else student
+        weights = [(name, t.detach()) for name, t in base.state_dict().items()]
+        if hasattr(self.llm, "collective_rpc"):  # vLLM >= 0.8 (V1 engine)
+            self.llm.collective_rpc(_load_weights_on_worker, args=(weights,))
+        else:  # older in-process engines
+            model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+            model.load_weights(weights=weights)
+        if hasattr(self.llm, "reset_prefix_cache"):
+            self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        self.version = version
+        return True
+
+    # -- sampling -----------------------------------------------------------
+    def _params(self, seed: int):
+        kw = dict(
+            n=1, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k if self.top_k > 0 else -1,
+            max_tokens=self.max_new_tokens, logprobs=0, seed=int(seed) % (2**31 - 1),
+            stop_token_ids=self.eos_ids, detokenize=False,
+        )
+        if self.model_vocab and self.model_vocab > self.vocab_size:  # padded embedding rows: never sampled (as in HF)
+            kw["allowed_token_ids"] = list(range(self.vocab_size))
+        return self.sampling_params(**kw)
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[str], row_seeds: Sequence[int], source: str = "student") -> Batch:
+        """One response per prompt (callers repeat prompts for n_samples), as a ``Batch``."""
+        if len(row_seeds) != len(prompts):
+            raise ValueError(f"{len(row_seeds)} seeds for {len(prompts)} prompts")
+        ids, mask = encode_prompts(self.tokenizer, prompts, self.max_prompt_tokens)
+        requests = [{"prompt_token_ids": ids[i][mask[i].bool()].tolist()} for i in range(len(prompts))]
+        outs = self.llm.generate(requests, [self._params(s) for s in row_seeds], use_tqdm=False)
+        resp, lps = [], []
+        for out in outs:
+            o = out.outputs[0]
+            toks = list(o.token_ids)
+            resp.append(toks)
+            row_lp = []
+            for tok, entry in zip(toks, o.logprobs or []):
+                lp = entry[tok]
+                row_lp.append(float(getattr(lp, "logprob", lp)))
+            lps.append(row_lp)
+        R = max(1, max(len(r) for r in resp))
+        N, P = len(prompts), ids.shape[1]
+        response = torch.full((N, R), self.pad, dtype=torch.long)
+        logprobs = torch.zeros((N, R), dtype=torch.float32)
+        for i, (r, lp) in enumerate(zip(resp, lps)):
+            if r:
+                response[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+            if lp:
+                logprobs[i, : len(lp)] = torch.tensor(lp)
+        rmask = response_mask_from_ids(response, self.eos_ids)
+        lengths = torch.tensor([len(r) for r in resp])
+        rmask &= torch.arange(R)[None, :] < lengths[:, None]  # an empty response has no tokens
+        full_mask = torch.cat([mask, torch.ones_like(response)], dim=1)
+        return Batch(
+            input_ids=torch.cat([ids, response], dim=1),
+            attention_mask=full_mask,
+            position_ids=positions_from_mask(full_mask),
+            prompt_len=P,
+            response_mask=rmask,
+            prompt_index=torch.arange(N),
+            source=source,
+            sampling_logprobs=logprobs if self.processed else None,
+        )
+
+
+def logprob_gap_sum(engine_lp: torch.Tensor, trainer_lp: torch.Tensor, mask: torch.Tensor) -> float:
+    """Sum over response tokens of |engine log-prob - trainer log-prob| (divide by the token count)."""
+    m = mask.bool()
+    return float((engine_lp.to(trainer_lp.device).float() - trainer_lp.detach().float()).abs()[m].sum())

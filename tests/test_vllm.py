@@ -1,0 +1,214 @@
+"""rollout.engine=vllm (opd_exp/rollout_vllm.py) without vLLM: the start-up failure, and the
+engine logic against a fake with vLLM's interface (``LLM.generate`` with per-request
+``SamplingParams``, ``Logprob`` entries, ``collective_rpc``, ``reset_prefix_cache``) that
+samples from a copy of the tiny student. The fake reports processed or raw log-probs like
+vLLM's ``logprobs_mode``; nothing here runs vLLM itself (no GPU, not installed)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import small_config
+from opd_exp.config import schema as S
+from opd_exp.errors import ConfigError
+from opd_exp.rollout import sampling_logits
+from opd_exp.rollout_vllm import PROCESSED, VllmRollout, logprob_gap_sum, require_vllm
+from opd_exp.scoring import student_logits, token_logprobs
+
+HAS_VLLM = importlib.util.find_spec("vllm") is not None
+
+
+class FakeSamplingParams:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class FakeLLM:
+    """Samples each request token by token from softmax(sampling_logits) with a generator
+    seeded by the request's seed; reports raw (vLLM's default) or processed log-probs."""
+
+    def __init__(self, hf_model, logprobs_mode: str | None = None, **kwargs):
+        self.model = hf_model.eval()
+        self.mode = logprobs_mode or "raw_logprobs"
+        self.kwargs, self.loads, self.resets = kwargs, [], 0
+
+    @torch.no_grad()
+    def generate(self, requests, params, use_tqdm=False):
+        outs = []
+        for req, sp in zip(requests, params):
+            g = torch.Generator().manual_seed(sp.seed)
+            ids, toks, lps = list(req["prompt_token_ids"]), [], []
+            for _ in range(sp.max_tokens):
+                z = self.model(input_ids=torch.tensor([ids + toks])).logits[0, -1].float()
+                zp = sampling_logits(z[None], sp.temperature, max(sp.top_k, 0), sp.top_p)[0]
+                tok = int(torch.multinomial(zp.softmax(-1), 1, generator=g))
+                lp = (zp if self.mode == PROCESSED else z).log_softmax(-1)[tok]
+                toks.append(tok)
+                lps.append({tok: SimpleNamespace(logprob=float(lp), rank=1)})
+                if tok in sp.stop_token_ids:
+                    break
+            outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=toks, logprobs=lps)]))
+        return outs
+
+    def collective_rpc(self, fn, args=()):
+        def load_weights(weights):
+            self.loads.append([n for n, _ in weights])
+            self.model.load_state_dict(dict(weights), strict=False)
+
+        worker = SimpleNamespace(model_runner=SimpleNamespace(model=SimpleNamespace(load_weights=load_weights)))
+        return [fn(worker, *args)]
+
+    def reset_prefix_cache(self):
+        self.resets += 1
+
+
+def _engine(pair, mode, temperature=0.7, top_k=5, processed=None):
+    from opd_exp.rollout import eos_token_ids
+
+    llm = FakeLLM(copy.deepcopy(pair.student), logprobs_mode=mode)
+    return VllmRollout(
+        llm, pair.tokenizer, vocab_size=pair.vocab_size, eos_ids=eos_token_ids(pair.tokenizer), max_new_tokens=6,
+        max_prompt_tokens=8, temperature=temperature, top_k=top_k, top_p=1.0,
+        processed=(mode == PROCESSED) if processed is None else processed, sampling_params=FakeSamplingParams,
+    )
+
+
+def _trainer_logprobs(pair, batch, temperature=0.7, top_k=5):
+    z = student_logits(pair.student, batch, pair.vocab_size, temperature=temperature, top_k=top_k, top_p=1.0)
+    return token_logprobs(z, batch.response_ids)
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vllm is installed")
+def test_require_vllm_is_one_line():
+    with pytest.raises(ConfigError) as ex:
+        require_vllm()
+    msg = str(ex.value)
+    assert "\n" not in msg and "rollout.engine='vllm' needs the vllm package" in msg and "rollout.engine=hf" in msg
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vllm is installed")
+def test_engine_vllm_fails_before_any_model_loads(tmp_path, add_task):
+    from opd_exp.trainer import Trainer
+
+    class Boom:
+        def __getattr__(self, name):
+            raise AssertionError("a model was touched before the vllm check")
+
+    cfg = small_config(rollout=dict(engine=S.RolloutEngine.vllm))
+    with pytest.raises(ConfigError, match="needs the vllm package"):
+        Trainer(cfg, tmp_path / "run", pair=Boom(), task=add_task)
+
+
+@pytest.mark.skipif(HAS_VLLM, reason="vllm is installed")
+def test_cli_engine_vllm_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
+    from reliability_util import BASE, one_error_line, run_in_process
+
+    code, _, err = run_in_process(BASE + ["rollout.engine=vllm", "model_pair=local", "model_pair.student=/nonexistent/s",
+                                          "model_pair.teacher=/nonexistent/t"], tmp_path / "run", monkeypatch, capsys)
+    assert code == 2
+    assert "needs the vllm package" in one_error_line(err)  # not the missing folders: no model was looked at
+
+
+def test_batch_layout_matches_the_hf_rollout(tiny_pair):
+    eng = _engine(tiny_pair, PROCESSED)
+    prompts = ["1+2=", "33+4=", "5+6="]
+    batch = eng.generate(prompts, [11, 12, 13])
+    from opd_exp.rollout import encode_prompts
+
+    ids, mask = encode_prompts(tiny_pair.tokenizer, prompts, 8)
+    P = ids.shape[1]
+    assert batch.prompt_len == P and torch.equal(batch.input_ids[:, :P], ids) and torch.equal(batch.attention_mask[:, :P], mask)
+    eos = tiny_pair.tokenizer.eos_token_id
+    for row, m in zip(batch.response_ids, batch.response_mask):
+        n = int(m.sum())
+        assert bool(m[:n].all()) and not bool(m[n:].any())  # positional: a prefix
+        assert eos not in row[: n - 1].tolist()  # the first EOS, if any, is the last counted token
+    # the same seeds give the same responses; others differ
+    again = eng.generate(prompts, [11, 12, 13])
+    assert torch.equal(again.input_ids, batch.input_ids)
+
+
+def test_processed_logprobs_are_those_of_the_sampled_distribution(tiny_pair):
+    """With logprobs_mode=processed_logprobs the engine's log-probs equal the trainer's under
+    its own sampling transform (T=0.7, top-k=5) on the sampled tokens; raw ones do not."""
+    prompts = ["1+2=", "33+4=", "5+6=", "7+7="]
+    eng = _engine(tiny_pair, PROCESSED)
+    batch = eng.generate(prompts, [1, 2, 3, 4])
+    mine = _trainer_logprobs(tiny_pair, batch)
+    n = batch.num_response_tokens
+    assert n > 0
+    assert logprob_gap_sum(batch.sampling_logprobs, mine, batch.response_mask) / n < 1e-5
+    raw = _engine(tiny_pair, "raw_logprobs", processed=True)  # as if one trusted vLLM's default
+    rb = raw.generate(prompts, [1, 2, 3, 4])
+    gap = logprob_gap_sum(rb.sampling_logprobs, _trainer_logprobs(tiny_pair, rb), rb.response_mask) / rb.num_response_tokens
+    assert gap > 0.05, gap
+
+
+def test_an_engine_without_logprobs_mode_records_none(tiny_pair):
+    batch = _engine(tiny_pair, None).generate(["1+2="], [5])
+    assert batch.sampling_logprobs is None  # raw numbers are never compared with ours
+
+
+def test_make_llm_asks_for_processed_logprobs(monkeypatch):
+    import sys
+
+    seen = {}
+
+    class NewLLM:
+        def __init__(self, **kw):
+            seen.update(kw)
+
+    class OldLLM:
+        def __init__(self, model, **kw):
+            if "logprobs_mode" in kw:
+                raise TypeError("__init__() got an unexpected keyword argument 'logprobs_mode'")
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=NewLLM))
+    _, processed = VllmRollout.make_llm(model="m")
+    assert processed and seen["logprobs_mode"] == "processed_logprobs"
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=OldLLM))
+    _, processed = VllmRollout.make_llm(model="m")
+    assert not processed
+
+
+def test_sync_weights_pushes_the_student_once_per_version(tiny_pair):
+    eng = _engine(tiny_pair, PROCESSED)
+    with torch.no_grad():
+        for p in tiny_pair.student.parameters():
+            p.add_(0.01)
+    assert eng.sync_weights(tiny_pair.student, version=1)
+    assert not eng.sync_weights(tiny_pair.student, version=1)  # unchanged: no second push
+    assert len(eng.llm.loads) == 1 and eng.llm.resets == 1
+    assert set(eng.llm.loads[0]) == set(tiny_pair.student.state_dict())
+    for (n, a), b in zip(tiny_pair.student.state_dict().items(), eng.llm.model.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_trainer_with_the_fake_engine_syncs_every_step(tiny_pair, add_task, tmp_path, monkeypatch):
+    """rollout.engine=vllm through the Trainer: the engine gets the weights of every update, and
+    the logged engine/trainer gap is float-level (the engine samples the current student)."""
+    import opd_exp.rollout_vllm as RV
+    from opd_exp.trainer import Trainer
+
+    monkeypatch.setattr(RV, "require_vllm", lambda: None)
+    engine_model = copy.deepcopy(tiny_pair.student)
+    monkeypatch.setattr(VllmRollout, "make_llm", staticmethod(lambda **kw: (FakeLLM(engine_model, logprobs_mode=PROCESSED, **kw), True)))
+    monkeypatch.setattr(VllmRollout, "sampling_params_class", staticmethod(lambda: FakeSamplingParams))
+    tiny_pair.student.name_or_path = "tiny-student"
+    cfg = small_config(rollout=dict(engine=S.RolloutEngine.vllm, temperature=0.8, top_k=6),
+                       estimator=dict(name="sampled"), loss=dict(name="reinforce"), trainer=dict(max_steps=3, batch_size=2))
+    t = Trainer(cfg, tmp_path / "run", pair=tiny_pair, task=add_task)
+    out = [t.train_step() for _ in range(3)]
+    assert t.engine.version == 2 and len(t.engine.llm.loads) == 3  # before steps 1, 2, 3
+    assert t.engine.llm.kwargs["model"] == "tiny-student"
+    for m in out:
+        assert m["rollout/engine_logprob_gap"] < 1e-4
+    # negative control: an engine left on stale weights shows up in the gap
+    monkeypatch.setattr(VllmRollout, "sync_weights", lambda self, student, version: False)
+    stale = [t.train_step() for _ in range(2)]
+    assert stale[-1]["rollout/engine_logprob_gap"] > 1e-3, stale[-1]["rollout/engine_logprob_gap"]
