@@ -29,7 +29,7 @@ from opd_exp.world.tokenizer import SPECIAL_TOKENS, TOKENIZER_CLASS, load_tokeni
 log = logging.getLogger("opd_exp.world")
 
 # Bump when generation, tokenizer or training code changes what an entry contains.
-WORLD_VERSION = 1
+WORLD_VERSION = 2  # 2: SFT batches no longer length-bucketed (entries built before were worse teachers)
 
 
 @dataclass
