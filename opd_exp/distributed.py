@@ -62,8 +62,20 @@ class DistState:
         return self.parallel != "none"
 
 
+def _export_submitit_env() -> None:
+    """A SLURM job with several tasks started by submitit (hydra/launcher=slurm with
+    tasks_per_node > 1) has SLURM_PROCID etc. but no torchrun variables: export RANK,
+    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT the way submitit's helper derives them."""
+    if "RANK" in os.environ or os.environ.get("SUBMITIT_EXECUTOR") != "slurm" or int(os.environ.get("SLURM_NTASKS", "1")) < 2:
+        return
+    from submitit.helpers import TorchDistributedEnvironment
+
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
 def torchrun_env() -> dict[str, int] | None:
-    """RANK/WORLD_SIZE/LOCAL_RANK as torchrun sets them, or None outside torchrun."""
+    """RANK/WORLD_SIZE/LOCAL_RANK as torchrun (or submitit's export) sets them, or None."""
+    _export_submitit_env()
     if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
         return None
     try:
