@@ -140,11 +140,15 @@ def test_lora_trains_only_adapters(tiny_pair, tiny_dir, add_task, tmp_path):
     names = {n for n, p in t.student.named_parameters() if p.requires_grad}
     assert names and all("lora_" in n for n in names)
     assert {id(p) for p in t.params} == {id(p) for p in t.student.parameters() if p.requires_grad}
+    in_opt = {id(p) for g in t.optimizer.param_groups for p in g["params"]}
+    assert in_opt == {id(p) for n, p in t.student.named_parameters() if "lora_" in n}
     for n, p in t.student.named_parameters():
         if "lora_" in n:
             continue
         key = n.replace("base_model.model.", "").replace(".base_layer", "")
-        assert torch.equal(p.detach(), base[key]), n  # frozen base weights
+        # frozen base weights: not in the optimizer, unchanged (an lr-1e-2 Adam step would move them ~1e-2;
+        # in a full-suite run a ~1e-9 wobble of the tied embedding was seen, from peft's wrapping)
+        assert torch.allclose(p.detach(), base[key], rtol=0, atol=1e-7), (n, float((p.detach() - base[key]).abs().max()))
     lora_b = [p for n, p in t.student.named_parameters() if "lora_B" in n]
     assert max(float(p.detach().abs().max()) for p in lora_b) > 0  # B starts at 0: it moved
     assert all(torch.isfinite(torch.tensor(m["loss"])) for m in out)
