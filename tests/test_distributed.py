@@ -1,9 +1,10 @@
 """Multi-process training (opd_exp/distributed.py): row-keyed sampling, sharding, and 2-process
 CPU runs (gloo, through `torchrun`) against the single-process run with the same global batch.
 
-Measured on CPU (torch 2.13, 4 steps, lr 1e-2, AdamW): per-step losses agree to ~1e-7
-relative and final parameters to ~5e-6 absolute (DDP) / ~3e-6 (FSDP2); the test allows
-rtol 1e-5 on losses and atol 5e-5 on parameters. The differences are float reassociation
+Measured on CPU (torch 2.13, 4 steps, lr 1e-2, AdamW, n_samples=2, micro_batch_size=1):
+per-step losses agree to 4e-6 relative and final parameters to 2.1e-6 absolute (DDP and
+FSDP2 alike; 2.7e-7 for the 1 -> 2 process resume), against parameter updates of ~1e-2; the
+test allows rtol 1e-4 on losses and atol 5e-5 on parameters (`pytest -s` prints the diffs). The differences are float reassociation
 (left padding to a different prompt length per rank, all-reduce order); Adam's g/sqrt(v)
 amplifies them for parameters whose gradients are near zero, hence an absolute tolerance.
 """
@@ -23,7 +24,7 @@ from opd_exp import distributed as D
 from opd_exp.errors import ConfigError
 from reliability_util import BASE, final_weights, local_pair_dir, pair_args, read_metrics, run_subprocess  # noqa: F401
 
-LOSS_RTOL, PARAM_ATOL = 1e-5, 5e-5
+LOSS_RTOL, PARAM_ATOL = 1e-4, 5e-5
 
 
 # -- pure pieces --------------------------------------------------------------
@@ -121,6 +122,8 @@ def assert_same_run(ref: Path, other: Path) -> None:
     common = sorted(set(wa) & set(wb))
     assert len(common) >= len(wa) - 1
     worst = max(float((wa[k] - wb[k]).abs().max()) for k in common)
+    rel = max(abs(x - y) / abs(x) for x, y in zip(a, b))
+    print(f"{other.parent.name}: worst loss rel diff {rel:.2e}, worst parameter abs diff {worst:.2e}")  # pytest -s
     assert worst < PARAM_ATOL, worst
     moved = max(float((wa[k] - final_weights_initial[k]).abs().max()) for k in common if k in final_weights_initial)
     assert moved > 100 * PARAM_ATOL  # the runs did train: the tolerance is far below the updates
@@ -170,3 +173,45 @@ def test_batch_that_does_not_split_fails_at_start_up(local_pair_dir, tmp_path):
     assert res.returncode != 0  # each rank exits 2; torchrun reports 1
     assert "opd-train: error: trainer.batch_size x rollout.n_samples = 1 rows cannot be split evenly over 2 ranks" in res.stderr
     assert "[rank0]" not in res.stderr and "[rank1]" not in res.stderr  # no rank tracebacks (torchrun adds its own report)
+
+
+@pytest.mark.slow
+def test_preempted_two_process_run_resumes(local_pair_dir, tmp_path):
+    """SIGUSR1 to both ranks mid-run: they agree on the step, rank 0 saves, every rank exits 75;
+    the same command again finishes the run, equal to an uninterrupted 2-process run."""
+    import signal
+    import time
+
+    steps = 24
+    args = pair_args(local_pair_dir) + ARGS + ["trainer.parallel=ddp", f"trainer.max_steps={steps}", "trainer.save_every=0"]
+    full = torchrun(args, tmp_path / "full")
+    assert full.returncode == 0, full.stderr[-3000:]
+
+    run_dir = tmp_path / "run"
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
+    env.pop("HYDRA_FULL_ERROR", None)
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             "-m", "opd_exp.train", *args, f"hydra.run.dir={run_dir}"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline and proc.poll() is None:
+        rows = (run_dir / "metrics.jsonl").read_text().count("\n") if (run_dir / "metrics.jsonl").exists() else 0
+        if rows >= 4:
+            break
+        time.sleep(0.05)
+    ranks = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
+    assert len(ranks) == 2
+    for pid in ranks:
+        os.kill(int(pid), signal.SIGUSR1)
+    _, err = proc.communicate(timeout=240)
+    lines = [ln for ln in err.splitlines() if ln.startswith("opd-train: preempted:")]
+    assert lines and len({ln.split("checkpoint at step ")[1].split()[0] for ln in lines}) == 1, err[-3000:]  # one agreed step
+    stopped = int(lines[0].split("checkpoint at step ")[1].split()[0])
+    assert 0 < stopped < steps
+    again = torchrun(args, run_dir)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(steps + 1))
+    a, b = losses(tmp_path / "full"), losses(run_dir)
+    assert torch.allclose(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64), rtol=LOSS_RTOL, atol=0)
+    wa, wb = final_weights(tmp_path / "full"), final_weights(run_dir)
+    assert max(float((wa[k] - wb[k]).abs().max()) for k in wa) < PARAM_ATOL
