@@ -112,6 +112,8 @@ def test_schema_refuses_what_cannot_work():
         small_config(trainer=dict(param_dtype=S.ParamDtype.bf16, precision="fp16"))
     with pytest.raises(ConfigError, match="trainer.lora_rank"):
         S.TrainerConfig(lora_rank=-1)
+    with pytest.raises(ConfigError, match="trainer.teacher_device='cuda:1'.*trainer.parallel=ddp"):
+        small_config(trainer=dict(parallel=S.Parallel.ddp, teacher_device="cuda:1"))
     with pytest.raises(ConfigError, match="rollout.engine='vllm'"):
         small_config(rollout=dict(engine=S.RolloutEngine.vllm), trainer=dict(parallel=S.Parallel.ddp))
 

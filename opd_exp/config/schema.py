@@ -365,6 +365,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     tc = cfg.trainer
     if tc.param_dtype is ParamDtype.bf16 and tc.precision is Precision.fp16:
         _fail("trainer.precision", "fp16", "fp32 or bf16 with trainer.param_dtype=bf16 (fp16 autocast over bf16 weights loses range)")
+    if tc.parallel is not Parallel.none and tc.teacher_device not in ("same", "cpu"):
+        _fail("trainer.teacher_device", tc.teacher_device,
+              f"same or cpu with trainer.parallel={tc.parallel.value} (each rank's teacher sits beside its student)")
     if tc.parallel is not Parallel.none and tc.device == "mps":
         _fail("trainer.device", "mps", f"auto, cpu, cuda with trainer.parallel={tc.parallel.value} (no process group backend for mps)")
     if cfg.rollout.engine is RolloutEngine.vllm:
