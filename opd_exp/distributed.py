@@ -103,9 +103,9 @@ def setup(parallel: str, dev_name: str) -> tuple[DistState, torch.device]:
                 f"trainer.parallel='none' under torchrun with WORLD_SIZE={os.environ['WORLD_SIZE']}: every rank would train "
                 f"its own copy into the same folder; allowed: trainer.parallel=ddp or fsdp"
             )
-        from opd_exp.trainer import resolve_device
-
-        return DistState(parallel=parallel), resolve_device(dev_name)
+        if dev_name == "auto":
+            return DistState(parallel=parallel), torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return DistState(parallel=parallel), torch.device(dev_name)
     import torch.distributed as dist
 
     device = device_for(dev_name, env["LOCAL_RANK"], env["WORLD_SIZE"])
