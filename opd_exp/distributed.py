@@ -209,7 +209,10 @@ def wrap_student(model, ds: DistState, device: torch.device, param_dtype: torch.
         ids = [device.index] if device.type == "cuda" else None
         return DDP(model, device_ids=ids)
     if ds.parallel == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        try:
+            from torch.distributed.fsdp import fully_shard  # torch >= 2.6
+        except ImportError:  # torch 2.4-2.5: the same FSDP2 API, not yet public
+            from torch.distributed._composable.fsdp import fully_shard
 
         for layer in decoder_layers(model):
             fully_shard(layer)
