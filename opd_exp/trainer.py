@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import enum
 import math
 import random
 import sys
@@ -43,24 +42,13 @@ from opd_exp.divergences import get_divergence
 from opd_exp.objective import TOKEN_METRICS, Objective, exact_divergences, metric_beta
 from opd_exp.rollout import decode_responses, generate
 from opd_exp.scoring import student_logits, teacher_logits, token_logprobs
+from opd_exp.tracking import plain_config
 from opd_exp.sinks import JsonlSink, MultiSink, Progress, Sink, WandbSink
 
 
 def config_dict(cfg) -> dict[str, Any]:
     """A JSON-able dict of a (possibly nested) config dataclass; enums by value."""
-
-    def conv(x):
-        if dataclasses.is_dataclass(x) and not isinstance(x, type):
-            return {f.name: conv(getattr(x, f.name)) for f in dataclasses.fields(x)}
-        if isinstance(x, enum.Enum):
-            return x.value
-        if isinstance(x, (list, tuple)):
-            return [conv(v) for v in x]
-        if isinstance(x, dict):
-            return {k: conv(v) for k, v in x.items()}
-        return x
-
-    return conv(cfg)
+    return plain_config(cfg)
 
 
 def resolve_device(name: str) -> torch.device:

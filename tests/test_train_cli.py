@@ -11,20 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import build_model
+from reliability_util import make_local_pair
 
 
 @pytest.fixture(scope="module")
 def local_pair(tmp_path_factory) -> Path:
-    from opd_exp.world.tokenizer import load_tokenizer, save_tokenizer
-
-    root = tmp_path_factory.mktemp("local_pair")
-    for name in ("student", "teacher"):
-        save_tokenizer(root / name)
-    V = len(load_tokenizer(root / "student"))
-    build_model(root / "student", V, hidden=32, layers=1, seed=1)
-    build_model(root / "teacher", V, hidden=32, layers=2, seed=2)
-    return root
+    return make_local_pair(tmp_path_factory.mktemp("local_pair"))
 
 
 def _run(args, run_dir):

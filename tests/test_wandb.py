@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import build_model
+from reliability_util import make_local_pair
 from opd_exp import tracking
 
 FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"  # 40 hex chars, like a W&B key
@@ -96,15 +96,7 @@ def test_schema_checks_on_error():
 
 @pytest.fixture(scope="module")
 def local_pair(tmp_path_factory) -> Path:
-    from opd_exp.world.tokenizer import load_tokenizer, save_tokenizer
-
-    root = tmp_path_factory.mktemp("wandb_pair")
-    for name in ("student", "teacher"):
-        save_tokenizer(root / name)
-    V = len(load_tokenizer(root / "student"))
-    build_model(root / "student", V, hidden=32, layers=1, seed=1)
-    build_model(root / "teacher", V, hidden=32, layers=2, seed=2)
-    return root
+    return make_local_pair(tmp_path_factory.mktemp("wandb_pair"))
 
 
 def tiny_args(pair: Path, steps: int = 2) -> list[str]:
