@@ -8,7 +8,15 @@ import torch.nn.functional as F
 
 from opd_exp.divergences import get_divergence, masked_mean, sequence_returns
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    """Exact comparisons in float64, restored afterwards (the default dtype is process-wide)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 V, L = 5, 3
 PREFIXES = [p for n in range(L) for p in itertools.product(range(V), repeat=n)]

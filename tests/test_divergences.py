@@ -12,7 +12,15 @@ import torch.nn.functional as F
 
 from opd_exp.divergences import DIVERGENCES, get_divergence, masked_mean, topk_estimate
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    """Exact comparisons in float64, restored afterwards (the default dtype is process-wide)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 V = 11
 SPECS = (
