@@ -232,6 +232,9 @@ def test_online_start_failure_for_real(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_BASE_URL", "http://127.0.0.1:9")
     monkeypatch.setenv("WANDB_INIT_TIMEOUT", "3")
     monkeypatch.setenv("WANDB_SILENT", "true")
+    import wandb
+
+    wandb.teardown()  # W&B reads WANDB_INIT_TIMEOUT at setup: an earlier test's setup would keep 90 s
     with pytest.raises(tracking.TrackingError) as ex:
         tracking.start_run(tmp_path / "a", **_init_args(tmp_path, run_id="failrun00001"))
     assert "\n" not in str(ex.value) and FAKE_KEY not in str(ex.value)
