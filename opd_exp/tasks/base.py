@@ -7,6 +7,7 @@ by all tasks in that format.
 from __future__ import annotations
 
 import re
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 from typing import Any, Optional
@@ -69,7 +70,7 @@ def verify(completion: str, answer: str) -> bool:
     return got is not None and want is not None and got == want
 
 
-class Task:
+class Task(ABC):
     """Base class: a source of train/eval problems plus their verifier.
 
     Subclasses implement ``train_problems`` and ``eval_problems``; the GSM8K-format verifier
@@ -78,11 +79,13 @@ class Task:
 
     name: str = "task"
 
+    @abstractmethod
     def train_problems(self) -> list[Problem]:
-        raise NotImplementedError
+        """Training prompts (never overlapping the eval set)."""
 
+    @abstractmethod
     def eval_problems(self) -> list[Problem]:
-        raise NotImplementedError
+        """The fixed evaluation set."""
 
     def extract_answer(self, completion: str) -> Optional[str]:
         return extract_answer(completion)
