@@ -128,3 +128,12 @@ def small_config(**groups):
         conv = {k: (enum_of[(g, k)](v) if (g, k) in enum_of and isinstance(v, str) else v) for k, v in fields.items()}
         kwargs[g] = cls[g](**conv)
     return S.TrainConfig(model_pair=ModelPairConfig(), task=TaskConfig(), **kwargs)
+
+
+@pytest.fixture
+def float64_default():
+    """float64 as torch's default dtype for one test, restored afterwards (it is process-wide)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)

@@ -10,13 +10,8 @@ from opd_exp.divergences import get_divergence, masked_mean, sequence_returns
 
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    """Exact comparisons in float64, restored afterwards (the default dtype is process-wide)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+# exact comparisons in float64 (fixture in conftest.py restores the default afterwards)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 V, L = 5, 3
 PREFIXES = [p for n in range(L) for p in itertools.product(range(V), repeat=n)]

@@ -14,13 +14,8 @@ from opd_exp.divergences import DIVERGENCES, get_divergence, masked_mean, topk_e
 
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    """Exact comparisons in float64, restored afterwards (the default dtype is process-wide)."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+# exact comparisons in float64 (fixture in conftest.py restores the default afterwards)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 V = 11
 SPECS = (
