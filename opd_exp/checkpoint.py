@@ -18,6 +18,7 @@ instead of interleaving checkpoints and metrics.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -90,9 +91,8 @@ def _fsync_dir(path: Path) -> None:
     except OSError:  # not supported on this platform
         return
     try:
-        os.fsync(fd)
-    except OSError:
-        pass
+        with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory
+            os.fsync(fd)
     finally:
         os.close(fd)
 

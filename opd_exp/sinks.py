@@ -31,13 +31,13 @@ class Sink:
     """A do-nothing sink (the `none` logger); subclasses override what they need."""
 
     def log(self, metrics: Mapping[str, Any], step: int) -> None:
-        pass
+        """Record one step's metrics (the `none` logger drops them)."""
 
     def summary(self, values: Mapping[str, Any]) -> None:
-        pass
+        """Record the run's final values (the `none` logger drops them)."""
 
     def close(self) -> None:
-        pass
+        """Flush and release (nothing to do for the `none` logger)."""
 
 
 NullSink = Sink

@@ -22,6 +22,7 @@ Never imports models or the trainer. What it decides for one job:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import os
@@ -162,10 +163,8 @@ def run_group(group: str | None, job: JobInfo) -> str | None:
         return group
     if job.multirun and job.sweep_dir:
         sweep_dir = Path(job.sweep_dir)
-        try:
+        with contextlib.suppress(ValueError):  # outside the working directory: keep it absolute
             sweep_dir = sweep_dir.resolve().relative_to(Path.cwd().resolve())
-        except ValueError:
-            pass
         return str(sweep_dir)[-128:]
     return None
 
@@ -223,10 +222,8 @@ def start_run(
             ) from None
         warn(f"opd-train: warning: W&B could not start (logger.mode={mode}): {why}; logging offline to "
              f"{run_dir / 'wandb'} instead (upload later with `wandb sync`)")
-    try:
+    with contextlib.suppress(Exception):  # older wandb: nothing to forget
         wandb.teardown()  # forget the failed run, so its id can start again offline
-    except Exception:  # pragma: no cover - older wandb
-        pass
     try:
         return init("offline")
     except Exception as ex:
