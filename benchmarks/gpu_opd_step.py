@@ -10,7 +10,7 @@ Two layouts, both with RANDOM weights built from config (no hub access needed):
   rows), prompts of random token ids.
 
 Random weights rarely emit EOS, so every response runs to ``--max-new-tokens``: the numbers are
-for full-length responses. The step goes through ``opd_exp.trainer.Trainer.train_step`` (the
+for full-length responses. The step goes through ``opd_exp.training.trainer.Trainer.train_step`` (the
 loop users run); the first step is a warm-up and is not counted.
 
     python benchmarks/gpu_opd_step.py                       # both layouts, on the GPU
@@ -115,8 +115,8 @@ def default_layout(args) -> tuple[Any, Any, str]:
 
     from opd_exp.config.world import EmbeddedPairConfig, TaskConfig
     from opd_exp.tasks import build_task
-    from opd_exp.world.models import build_model
-    from opd_exp.world.tokenizer import load_tokenizer, save_tokenizer
+    from opd_exp.pairs.embedded.models import build_model
+    from opd_exp.pairs.embedded.tokenizer import load_tokenizer, save_tokenizer
 
     folder = tempfile.mkdtemp(prefix="opd-bench-tok-")
     save_tokenizer(folder)
@@ -158,7 +158,7 @@ def peak_memory_gib(device: str) -> tuple[float, str]:
 def bench(pair, task, layout: str, estimator: str, args) -> dict:
     import tempfile
 
-    from opd_exp.trainer import Trainer
+    from opd_exp.training.trainer import Trainer
 
     cfg = make_config(args, estimator)
     trainer = Trainer(cfg, tempfile.mkdtemp(prefix="opd-bench-run-"), pair=pair, task=task)

@@ -23,7 +23,7 @@
 # The update is minus that. Below: its cosine with $-\nabla_z D$ for each estimator, on random
 # categorical pairs (standard-normal logits over `VOCAB` tokens). *far*: teacher logits drawn
 # independently (seed 001's setting); *near*: teacher = student + 0.2 * noise.
-# The computations live in `opd_exp/estimator_check.py` and are pinned by
+# The computations live in `opd_exp/divergences/check.py` and are pinned by
 # `tests/test_estimator_check.py`.
 
 # %%
@@ -31,7 +31,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 from opd_exp.divergences import get_divergence
-from opd_exp.estimator_check import (
+from opd_exp.divergences.check import (
     cosine_table,
     cost_cosine,
     format_rows,

@@ -4,7 +4,7 @@ import json
 import math
 
 import pytest
-from synthetic_runs import SEEDS, STEPS, write_multirun, write_run
+from helpers.synthetic_runs import SEEDS, STEPS, write_multirun, write_run
 
 from opd_exp.analysis import (
     AnalysisError,

@@ -1,4 +1,4 @@
-"""The bad-input matrix, end to end through the CLI (`opd_exp.train.main`, sys.argv patched):
+"""The bad-input matrix, end to end through the CLI (`opd_exp.cli.train.main`, sys.argv patched):
 every case ends in exactly one `opd-train: error: ...` line and a non-zero exit, or in the
 documented recovery (exit 0, a warning line, a counted metric); never a traceback, never a
 damaged run folder. docs/reliability.md has the same table."""
@@ -14,9 +14,10 @@ from typing import Callable
 import pytest
 import torch
 
-import opd_exp.trainer as trainer_mod
-from opd_exp import checkpoint
-from reliability_util import BASE, local_pair_dir, one_error_line, pair_args, read_metrics, run_in_process  # noqa: F401
+import opd_exp.training.rollout as rollout_mod
+import opd_exp.training.scoring as scoring_mod
+from opd_exp.runtime import checkpoint
+from helpers.reliability import BASE, local_pair_dir, one_error_line, pair_args, read_metrics, run_in_process  # noqa: F401
 
 MINI = Path(__file__).resolve().parents[1] / "opd_exp" / "data" / "gsm8k_mini.jsonl"
 QUICK = ["trainer.max_steps=2"]
@@ -118,7 +119,7 @@ case("model/damaged_safetensors", 2, "the safetensors weights in")(
 
 # -- runtime: recoveries (exit 0) and the non-finite stop (exit 3) ---------------------------
 def _patch_rollout(ctx, edit):
-    real = trainer_mod.generate
+    real = rollout_mod.generate
 
     def patched(*a, **kw):
         b = real(*a, **kw)
@@ -126,7 +127,7 @@ def _patch_rollout(ctx, edit):
             edit(b)
         return b
 
-    ctx.monkeypatch.setattr(trainer_mod, "generate", patched)
+    ctx.monkeypatch.setattr(rollout_mod, "generate", patched)
 
 
 def _finite_rows(run, err):
@@ -165,7 +166,7 @@ def _no_tokens(ctx):
 
 @case("runtime/transient_nan_loss", 0, "step 2 skipped (no update): loss=nan")
 def _nan_loss(ctx):
-    from opd_exp.objective import Objective
+    from opd_exp.training.objective import Objective
 
     real, calls = Objective.__call__, []
 
@@ -183,7 +184,7 @@ def _nan_loss(ctx):
 
 @case("runtime/nan_teacher_stops_the_run", 3, "2 non-finite steps in a row (steps 3-4; last: teacher log-probs are not finite at step 4")
 def _nan_teacher(ctx):
-    real = trainer_mod.teacher_logits
+    real = scoring_mod.teacher_logits
     calls = []
 
     def nan_from_step_3(model, batch, *a, **kw):
@@ -194,7 +195,7 @@ def _nan_teacher(ctx):
                 z = torch.full_like(z, float("nan"))
         return z
 
-    ctx.monkeypatch.setattr(trainer_mod, "teacher_logits", nan_from_step_3)
+    ctx.monkeypatch.setattr(scoring_mod, "teacher_logits", nan_from_step_3)
 
     def intact(run, err):
         assert [s for s, _ in checkpoint.list_checkpoints(run)] == [2]  # the last good one, untouched
@@ -231,9 +232,8 @@ def _in_use(ctx):
 
     run = ctx.tmp / "run"
     run.mkdir()
+    (run / checkpoint.OWNER).write_text("4242\n")  # the owner's record
     holder = open(run / checkpoint.LOCK, "w")
-    holder.write("4242\n")
-    holder.flush()
     fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
     ctx.checks.append(lambda run_, err: holder.close())
     return pair_args(ctx.pair) + BASE + QUICK
@@ -255,8 +255,8 @@ def _damaged(ctx):
 @pytest.fixture(scope="module")
 def bad_models(local_pair_dir, tmp_path_factory) -> dict:
     from opd_exp.config.world import EmbeddedModelConfig
-    from opd_exp.world.models import build_model, save_model
-    from opd_exp.world.tokenizer import SPECIAL_TOKENS, build_tokenizer
+    from opd_exp.pairs.embedded.models import build_model, save_model
+    from opd_exp.pairs.embedded.tokenizer import SPECIAL_TOKENS, build_tokenizer
 
     root = tmp_path_factory.mktemp("bad_models")
     small = EmbeddedModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32)

@@ -5,9 +5,9 @@ import subprocess
 import sys
 
 import pytest
-from synthetic_runs import write_multirun, write_run
+from helpers.synthetic_runs import write_multirun, write_run
 
-from opd_exp.compare import main
+from opd_exp.cli.compare import main
 
 RKL = "divergence=rkl"
 JSD = "divergence=jsd,divergence.beta=0.5"
@@ -81,13 +81,13 @@ def test_compare_on_a_real_tiny_multirun(tmp_path):
     sweep = tmp_path / "sweep"
     env = {**os.environ, "WANDB_MODE": "offline", "OPD_EXP_CACHE": str(tmp_path / "cache")}
     cmd = [
-        sys.executable, "-m", "opd_exp.train", "-m", "divergence=rkl,jsd", "seed=0,1", "logger=none",
+        sys.executable, "-m", "opd_exp.cli.train", "-m", "divergence=rkl,jsd", "seed=0,1", "logger=none",
         "trainer.max_steps=2", "trainer.batch_size=2", "trainer.eval_size=4", "trainer.eval_batch_size=4",
         "trainer.progress=false", "rollout.max_new_tokens=8", *TINY_WORLD, f"hydra.sweep.dir={sweep}",
     ]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    done = subprocess.run([sys.executable, "-m", "opd_exp.compare", str(sweep), "--plot", str(tmp_path / "c.png")],
+    done = subprocess.run([sys.executable, "-m", "opd_exp.cli.compare", str(sweep), "--plot", str(tmp_path / "c.png")],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()

@@ -1,4 +1,4 @@
-"""Multi-process training (opd_exp/distributed.py): row-keyed sampling, sharding, and 2-process
+"""Multi-process training (opd_exp/runtime/distributed.py): row-keyed sampling, sharding, and 2-process
 CPU runs (gloo, through `torchrun`) against the single-process run with the same global batch.
 
 Measured on CPU (torch 2.13, 4 steps, lr 1e-2, AdamW, n_samples=2, micro_batch_size=1):
@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from opd_exp import distributed as D
-from opd_exp.errors import ConfigError
-from reliability_util import BASE, final_weights, local_pair_dir, pair_args, read_metrics, run_subprocess  # noqa: F401
+from opd_exp.runtime import distributed as D
+from opd_exp.runtime.errors import ConfigError
+from helpers.reliability import BASE, final_weights, local_pair_dir, pair_args, read_metrics, run_subprocess  # noqa: F401
 
 LOSS_RTOL, PARAM_ATOL = 1e-4, 5e-5
 
@@ -59,7 +59,7 @@ def test_world_of_one_without_torchrun(monkeypatch):
 
 def test_row_keyed_sampling_is_independent_of_the_batch_split(tiny_pair):
     """Rows sampled in one batch or in two halves (as two ranks would) are the same tokens."""
-    from opd_exp.rollout import generate
+    from opd_exp.training.rollout import generate
 
     prompts = ["1+2=", "3+4=", "5+6=", "7+8="]
     kw = dict(max_new_tokens=6, max_prompt_tokens=8, vocab_size=tiny_pair.vocab_size, temperature=1.0)
@@ -80,7 +80,7 @@ def test_row_keyed_sampling_is_independent_of_the_batch_split(tiny_pair):
 
 def test_row_keyed_sampler_draws_from_sampling_logits():
     """Empirical frequencies of the Gumbel-max draw match softmax(sampling_logits) (top-k=2, T=0.7)."""
-    from opd_exp.rollout import RowKeyedSampler, sampling_logits
+    from opd_exp.training.rollout import RowKeyedSampler, sampling_logits
 
     z = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
     n = 4000
@@ -102,7 +102,7 @@ def torchrun(args: list[str], run_dir: Path, nproc: int = 2, timeout: float = 30
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.pop("HYDRA_FULL_ERROR", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "opd_exp.train", *args, f"hydra.run.dir={run_dir}"]
+           "-m", "opd_exp.cli.train", *args, f"hydra.run.dir={run_dir}"]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -191,7 +191,7 @@ def test_preempted_two_process_run_resumes(local_pair_dir, tmp_path):
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.pop("HYDRA_FULL_ERROR", None)
     proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             "-m", "opd_exp.train", *args, f"hydra.run.dir={run_dir}"],
+                             "-m", "opd_exp.cli.train", *args, f"hydra.run.dir={run_dir}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:

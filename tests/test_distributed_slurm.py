@@ -15,7 +15,7 @@ import time
 import pytest
 from hydra import compose, initialize_config_dir
 
-import opd_exp.train as T
+import opd_exp.cli.train as T
 
 pytest.importorskip("hydra_plugins.hydra_submitit_launcher")
 
@@ -50,7 +50,7 @@ def test_requeued_job_gets_the_same_folder(overrides):
 
 
 def test_submitit_multitask_env_becomes_torch_env(monkeypatch):
-    from opd_exp import distributed as D
+    from opd_exp.runtime import distributed as D
 
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(k, "x")  # recorded, so what the export sets is removed afterwards

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from opd_exp.divergences import get_divergence
-from opd_exp.estimator_check import (
+from opd_exp.divergences.check import (
     ESTIMATORS,
     VALUE_ESTIMATORS,
     cosine_table,

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from opd_exp.config.world import TaskConfig
-from opd_exp.errors import ConfigError
+from opd_exp.runtime.errors import ConfigError
 from opd_exp.tasks import build_task
 from opd_exp.tasks.base import verify
 from opd_exp.tasks.gsm8k import MINI_PATH, GSM8KTask, read_rows

@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-import opd_exp.train as T
+import opd_exp.cli.train as T
 
 LAUNCHERS = {
     "local": ("hydra_plugins.hydra_joblib_launcher", "JoblibLauncher", {"n_jobs": 4, "backend": "loky"}),

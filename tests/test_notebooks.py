@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from synthetic_runs import write_multirun
+from helpers.synthetic_runs import write_multirun
 
 nbformat = pytest.importorskip("nbformat")
 jupytext = pytest.importorskip("jupytext")

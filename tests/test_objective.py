@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import small_config
+from helpers.tiny import small_config
 from opd_exp.config.schema import validate
 from opd_exp.divergences import get_divergence
-from opd_exp.objective import Objective
+from opd_exp.training.objective import Objective
 
 V = 6
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from opd_exp.config.world import EmbeddedModelConfig, ModelPairConfig
-from opd_exp.errors import ConfigError
+from opd_exp.runtime.errors import ConfigError
 from opd_exp.pairs import load_pair, preflight, resolve_pair
-from opd_exp.world.models import build_model, save_model
-from opd_exp.world.tokenizer import SPECIAL_TOKENS, build_tokenizer
+from opd_exp.pairs.embedded.models import build_model, save_model
+from opd_exp.pairs.embedded.tokenizer import SPECIAL_TOKENS, build_tokenizer
 
 
 def _save(folder: Path, hidden: int, rows: int | None = None, tokenizer=None) -> Path:
@@ -162,7 +162,7 @@ def test_only_safetensors_weights_are_loaded(pair_dir, tmp_path):
 
 
 def test_separate_tokenizer_key(pair_dir, tmp_path):
-    from opd_exp.world.tokenizer import save_tokenizer
+    from opd_exp.pairs.embedded.tokenizer import save_tokenizer
 
     tok_dir = save_tokenizer(tmp_path / "tok")
     result = preflight(_cfg(*pair_dir, tokenizer=str(tok_dir)))

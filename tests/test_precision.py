@@ -1,4 +1,4 @@
-"""GPU settings by config (opd_exp/precision.py), checked on CPU: gradient checkpointing gives
+"""GPU settings by config (opd_exp/runtime/precision.py), checked on CPU: gradient checkpointing gives
 the same gradients, bf16 autocast and bf16 weights train with finite losses, the teacher can
 live elsewhere, LoRA trains only adapters, and a missing peft fails at start-up in one line."""
 
@@ -9,16 +9,16 @@ import importlib.util
 import pytest
 import torch
 
-from conftest import small_config
-from opd_exp import precision as P
+from helpers.tiny import small_config
+from opd_exp.runtime import precision as P
 from opd_exp.config import schema as S
-from opd_exp.errors import ConfigError
+from opd_exp.runtime.errors import ConfigError
 
 HAS_PEFT = importlib.util.find_spec("peft") is not None
 
 
 def _grads(model, batch, vocab):
-    from opd_exp.scoring import student_logits
+    from opd_exp.training.scoring import student_logits
 
     model.zero_grad(set_to_none=True)
     z = student_logits(model, batch, vocab, temperature=1.0, top_k=0, top_p=1.0)
@@ -27,7 +27,7 @@ def _grads(model, batch, vocab):
 
 
 def test_grad_checkpointing_gives_the_same_gradients(tiny_pair):
-    from opd_exp.rollout import generate
+    from opd_exp.training.rollout import generate
 
     torch.manual_seed(0)
     batch = generate(tiny_pair.student, tiny_pair.tokenizer, ["1+2=", "33+4="], max_new_tokens=5, max_prompt_tokens=8,
@@ -43,7 +43,7 @@ def test_grad_checkpointing_gives_the_same_gradients(tiny_pair):
 
 
 def _train(tiny_pair, add_task, tmp_path, steps=2, **trainer):
-    from opd_exp.trainer import Trainer
+    from opd_exp.training.trainer import Trainer
 
     cfg = small_config(trainer=dict(max_steps=steps, **trainer), estimator=dict(name="full"))
     t = Trainer(cfg, tmp_path / "run", pair=tiny_pair, task=add_task)
@@ -79,15 +79,15 @@ def test_teacher_on_another_device_gives_the_same_step(tiny_pair, add_task, tmp_
     there and its logits brought back: the same losses as a teacher beside the student."""
     import copy
 
-    from opd_exp.rollout import Batch
-    from opd_exp.trainer import Trainer
+    from opd_exp.training.rollout import Batch
+    from opd_exp.training.trainer import Trainer
 
     pair2 = copy.deepcopy(tiny_pair)
     _, a = _train(tiny_pair, add_task, tmp_path / "a", steps=2)
     cfg = small_config(trainer=dict(max_steps=2), estimator=dict(name="full"))
     t = Trainer(cfg, tmp_path / "b", pair=pair2, task=add_task)
-    t.teacher_device = torch.device("cpu", 0)
-    assert t.teacher_device != t.device
+    t.teacher_scorer.device = torch.device("cpu", 0)
+    assert t.teacher_scorer.device != t.device
     moves = []
     real_to = Batch.to
     monkeypatch.setattr(Batch, "to", lambda self, dev: (moves.append(torch.device(dev)), real_to(self, dev))[1])
@@ -119,7 +119,7 @@ def test_schema_refuses_what_cannot_work():
 
 
 def test_lora_without_peft_fails_before_models_load(monkeypatch, tmp_path, add_task):
-    from opd_exp.trainer import Trainer
+    from opd_exp.training.trainer import Trainer
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else real(name, *a))

@@ -10,14 +10,15 @@ import math
 import pytest
 import torch
 
-from conftest import AddTask, small_config
-from opd_exp import checkpoint
-from opd_exp.errors import ConfigError
-from opd_exp.guards import Diverged
+from helpers.tiny import AddTask, small_config
+from opd_exp.runtime import checkpoint
+from opd_exp.runtime.errors import ConfigError
+from opd_exp.runtime.guards import Diverged
 from opd_exp.sinks import JsonlSink
-from opd_exp.trainer import Trainer
-import opd_exp.trainer as trainer_mod
-from reliability_util import local_pair_dir, read_metrics  # noqa: F401
+from opd_exp.training.trainer import Trainer
+import opd_exp.training.rollout as rollout_mod
+import opd_exp.training.scoring as scoring_mod
+from helpers.reliability import local_pair_dir, read_metrics  # noqa: F401
 
 
 def _params(model):
@@ -30,7 +31,7 @@ def _digest(folder):
 
 def _nan_teacher_from(step_from: int, monkeypatch, trainer_ref: list):
     """Teacher logits become NaN from training step ``step_from`` on (a test-only fault)."""
-    real = trainer_mod.teacher_logits
+    real = scoring_mod.teacher_logits
 
     def faulty(*args, **kw):
         z = real(*args, **kw)
@@ -40,7 +41,7 @@ def _nan_teacher_from(step_from: int, monkeypatch, trainer_ref: list):
             z[0, 0, 3] = float("nan")
         return z
 
-    monkeypatch.setattr(trainer_mod, "teacher_logits", faulty)
+    monkeypatch.setattr(scoring_mod, "teacher_logits", faulty)
 
 
 def test_nan_loss_skips_the_step_and_counts_it(tiny_pair, tmp_path, monkeypatch):
@@ -102,7 +103,7 @@ def test_nan_teacher_is_caught_before_the_loss_and_stops_the_run(tiny_pair, tmp_
 
 
 def test_a_batch_without_response_tokens_is_a_counted_no_op(tiny_pair, tmp_path, monkeypatch):
-    real = trainer_mod.generate
+    real = rollout_mod.generate
 
     def no_tokens(*a, **kw):
         b = real(*a, **kw)
@@ -110,7 +111,7 @@ def test_a_batch_without_response_tokens_is_a_counted_no_op(tiny_pair, tmp_path,
             b.response_mask = torch.zeros_like(b.response_mask)
         return b
 
-    monkeypatch.setattr(trainer_mod, "generate", no_tokens)
+    monkeypatch.setattr(rollout_mod, "generate", no_tokens)
     t = Trainer(small_config(trainer={"max_steps": 2}), tmp_path, pair=tiny_pair, task=AddTask())
     before = _params(t.student)
     t.run()
@@ -140,7 +141,7 @@ def test_a_crash_while_writing_a_checkpoint_leaves_none_that_resume_accepts(tiny
         t.run()
     root = checkpoint.checkpoint_root(tmp_path)
     assert [s for s, _ in checkpoint.list_checkpoints(tmp_path)] == [2]  # the old one is not pruned
-    assert any(p.name.startswith(".tmp-step_000004") for p in root.iterdir())  # the partial write
+    assert not any(p.name.startswith(".tmp-") for p in root.iterdir())  # the partial write is removed
     monkeypatch.setattr(checkpoint.torch, "save", real_save)
     t2 = Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask())
     assert t2.resume() and t2.step == 2
@@ -187,9 +188,8 @@ def test_a_second_process_on_the_same_run_folder_is_refused(tiny_pair, tmp_path)
     t = Trainer(small_config(), tmp_path, pair=tiny_pair, task=AddTask())
     import fcntl
 
+    (tmp_path / checkpoint.OWNER).write_text("4242\n")  # the owner's record
     with open(tmp_path / checkpoint.LOCK, "w") as other:  # as another process holding the lock
-        other.write("4242\n")
-        other.flush()
         fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
         with pytest.raises(ConfigError, match=r"is in use by another opd-train process \(pid 4242\)"):
             t.run()
@@ -219,7 +219,7 @@ def test_preemption_under_submitit_saves_then_hands_over_to_its_handler(local_pa
     import os
     import signal
 
-    from reliability_util import BASE, pair_args, run_in_process
+    from helpers.reliability import BASE, pair_args, run_in_process
 
     calls = []
 

@@ -1,4 +1,4 @@
-"""Exact resume and preemption through the real CLI (`python -m opd_exp.train`) on a tiny local
+"""Exact resume and preemption through the real CLI (`python -m opd_exp.cli.train`) on a tiny local
 pair: a run SIGKILLed at a random step, and a run preempted by SIGTERM then by SIGUSR1, each
 started again on its folder, end with the same metrics.jsonl (timings aside) and bit-identical
 weights as one uninterrupted run."""
@@ -12,8 +12,8 @@ import time
 import pytest
 import torch
 
-from opd_exp.guards import EXIT_PREEMPTED
-from reliability_util import (BASE, comparable, final_weights, local_pair_dir, pair_args, popen,  # noqa: F401
+from opd_exp.runtime.guards import EXIT_PREEMPTED
+from helpers.reliability import (BASE, comparable, final_weights, local_pair_dir, pair_args, popen,  # noqa: F401
                               read_metrics, run_subprocess)
 
 STEPS = 80

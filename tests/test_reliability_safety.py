@@ -4,6 +4,7 @@ torch.load(weights_only=True) for optimizer/RNG state), no credentials in the ru
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import pickle
 from pathlib import Path
@@ -11,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import AddTask, small_config
-from opd_exp import checkpoint
-from opd_exp.errors import ConfigError
-from opd_exp.trainer import Trainer
-from reliability_util import BASE, local_pair_dir, pair_args, run_in_process  # noqa: F401
+from helpers.tiny import AddTask, small_config
+from opd_exp.runtime import checkpoint
+from opd_exp.runtime.errors import ConfigError
+from opd_exp.training.trainer import Trainer
+from helpers.reliability import BASE, local_pair_dir, pair_args, run_in_process  # noqa: F401
 
 PACKAGE = Path(__file__).resolve().parents[1] / "opd_exp"
 FAKE_WANDB_KEY = "0123456789abcdef0123456789abcdef01234567"
@@ -96,8 +97,9 @@ def test_a_tampered_optimizer_file_is_refused_not_executed(tiny_pair, tmp_path):
     marker = tmp_path / "pwned"
     with open(ckpt / "optimizer.pt", "wb") as f:
         pickle.dump({"optimizer": _Payload(marker)}, f, protocol=2)
-    manifest = json.loads((ckpt / checkpoint.MANIFEST).read_text())  # an attacker fixes the sizes too
-    manifest["sizes"]["optimizer.pt"] = (ckpt / "optimizer.pt").stat().st_size
+    manifest = json.loads((ckpt / checkpoint.MANIFEST).read_text())  # an attacker fixes size and hash too
+    manifest["files"]["optimizer.pt"] = {"size": (ckpt / "optimizer.pt").stat().st_size,
+                                         "sha256": hashlib.sha256((ckpt / "optimizer.pt").read_bytes()).hexdigest()}
     (ckpt / checkpoint.MANIFEST).write_text(json.dumps(manifest))
     t = Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask())
     lines = []

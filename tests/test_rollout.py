@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from opd_exp.rollout import (
+from opd_exp.training.rollout import (
     FILTERED_LOGIT,
     encode_prompts,
     generate,
     response_mask_from_ids,
     sampling_logits,
 )
-from opd_exp.scoring import response_logits, student_logits, token_logprobs
+from opd_exp.training.scoring import response_logits, student_logits, token_logprobs
 
 
 def test_mask_is_positional_eos_scored_nothing_after():

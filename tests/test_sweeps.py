@@ -1,5 +1,5 @@
 """Sweep definitions: every Hydra sweep in sweeps/sweep/ composes its first job into a valid
-config with a readable job folder, and every W&B spec in sweeps/wandb/ calls opd_exp.train
+config with a readable job folder, and every W&B spec in sweeps/wandb/ calls opd_exp.cli.train
 with keys that exist in the config schema."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf, open_dict
 
-import opd_exp.train as T
+import opd_exp.cli.train as T
 
-SWEEPS = Path(T.__file__).resolve().parent.parent / "sweeps"
+SWEEPS = Path(T.__file__).resolve().parents[2] / "sweeps"
 HYDRA_SWEEPS = sorted((SWEEPS / "sweep").glob("*.yaml"))
 WANDB_SPECS = sorted((SWEEPS / "wandb").glob("*.yaml"))
 
@@ -113,7 +113,7 @@ def _spec_overrides(spec) -> list[str]:
 def test_wandb_spec_calls_the_entry_point_with_schema_keys(path):
     spec = yaml.safe_load(path.read_text())
     assert spec["method"] in ("grid", "random", "bayes")
-    assert spec["command"] == ["${env}", "python", "-m", "opd_exp.train", "logger.mode=online", "${args_no_hyphens}"]
+    assert spec["command"] == ["${env}", "python", "-m", "opd_exp.cli.train", "logger.mode=online", "${args_no_hyphens}"]
     if spec["method"] == "bayes":
         assert spec["metric"]["goal"] in ("minimize", "maximize")
     assert spec["metric"]["name"].startswith(("final/", "eval/"))

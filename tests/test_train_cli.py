@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from reliability_util import make_local_pair
+from helpers.reliability import make_local_pair
 
 
 @pytest.fixture(scope="module")
@@ -22,7 +22,7 @@ def local_pair(tmp_path_factory) -> Path:
 def _run(args, run_dir):
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
     return subprocess.run(
-        [sys.executable, "-m", "opd_exp.train", *args, f"hydra.run.dir={run_dir}"],
+        [sys.executable, "-m", "opd_exp.cli.train", *args, f"hydra.run.dir={run_dir}"],
         capture_output=True, text=True, env=env, timeout=300,
     )
 

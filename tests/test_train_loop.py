@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import AddTask, small_config
-from opd_exp import checkpoint
-from opd_exp.trainer import Trainer
+from helpers.tiny import AddTask, small_config
+from opd_exp.runtime import checkpoint
+from opd_exp.training.trainer import Trainer
 
 STEP_METRICS = (
     "jsd/mean", "kl/reverse", "kl/forward", "loss", "advantages/mean", "student/logprob_mean",

@@ -1,4 +1,4 @@
-"""rollout.engine=vllm (opd_exp/rollout_vllm.py) without vLLM: the start-up failure, and the
+"""rollout.engine=vllm (opd_exp/training/rollout_vllm.py) without vLLM: the start-up failure, and the
 engine logic against a fake with vLLM's interface (``LLM.generate`` with per-request
 ``SamplingParams``, ``Logprob`` entries, ``collective_rpc``, ``reset_prefix_cache``) that
 samples from a copy of the tiny student. The fake reports processed or raw log-probs like
@@ -13,12 +13,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from conftest import small_config
+from helpers.tiny import small_config
 from opd_exp.config import schema as S
-from opd_exp.errors import ConfigError
-from opd_exp.rollout import sampling_logits
-from opd_exp.rollout_vllm import PROCESSED, VllmRollout, logprob_gap_sum, require_vllm
-from opd_exp.scoring import student_logits, token_logprobs
+from opd_exp.runtime.errors import ConfigError
+from opd_exp.training.rollout import sampling_logits
+from opd_exp.training.rollout_vllm import PROCESSED, VllmRollout, logprob_gap_sum, require_vllm
+from opd_exp.training.scoring import student_logits, token_logprobs
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -68,7 +68,7 @@ class FakeLLM:
 
 
 def _engine(pair, mode, temperature=0.7, top_k=5, processed=None):
-    from opd_exp.rollout import eos_token_ids
+    from opd_exp.training.rollout import eos_token_ids
 
     llm = FakeLLM(copy.deepcopy(pair.student), logprobs_mode=mode)
     return VllmRollout(
@@ -93,7 +93,7 @@ def test_require_vllm_is_one_line():
 
 @pytest.mark.skipif(HAS_VLLM, reason="vllm is installed")
 def test_engine_vllm_fails_before_any_model_loads(tmp_path, add_task):
-    from opd_exp.trainer import Trainer
+    from opd_exp.training.trainer import Trainer
 
     class Boom:
         def __getattr__(self, name):
@@ -106,7 +106,7 @@ def test_engine_vllm_fails_before_any_model_loads(tmp_path, add_task):
 
 @pytest.mark.skipif(HAS_VLLM, reason="vllm is installed")
 def test_cli_engine_vllm_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
-    from reliability_util import BASE, one_error_line, run_in_process
+    from helpers.reliability import BASE, one_error_line, run_in_process
 
     code, _, err = run_in_process(BASE + ["rollout.engine=vllm", "model_pair=local", "model_pair.student=/nonexistent/s",
                                           "model_pair.teacher=/nonexistent/t"], tmp_path / "run", monkeypatch, capsys)
@@ -118,7 +118,7 @@ def test_batch_layout_matches_the_hf_rollout(tiny_pair):
     eng = _engine(tiny_pair, PROCESSED)
     prompts = ["1+2=", "33+4=", "5+6="]
     batch = eng.generate(prompts, [11, 12, 13])
-    from opd_exp.rollout import encode_prompts
+    from opd_exp.training.rollout import encode_prompts
 
     ids, mask = encode_prompts(tiny_pair.tokenizer, prompts, 8)
     P = ids.shape[1]
@@ -192,8 +192,8 @@ def test_sync_weights_pushes_the_student_once_per_version(tiny_pair):
 def test_trainer_with_the_fake_engine_syncs_every_step(tiny_pair, add_task, tmp_path, monkeypatch):
     """rollout.engine=vllm through the Trainer: the engine gets the weights of every update, and
     the logged engine/trainer gap is float-level (the engine samples the current student)."""
-    import opd_exp.rollout_vllm as RV
-    from opd_exp.trainer import Trainer
+    import opd_exp.training.rollout_vllm as RV
+    from opd_exp.training.trainer import Trainer
 
     monkeypatch.setattr(RV, "require_vllm", lambda: None)
     engine_model = copy.deepcopy(tiny_pair.student)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from reliability_util import make_local_pair
-from opd_exp import tracking
+from helpers.reliability import make_local_pair
+from opd_exp.sinks import tracking
 
 FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"  # 40 hex chars, like a W&B key
 
@@ -84,7 +84,7 @@ def test_start_failure_stops_with_one_line_or_falls_back(tmp_path, monkeypatch):
 
 def test_schema_checks_on_error():
     from opd_exp.config.schema import LoggerConfig
-    from opd_exp.errors import ConfigError
+    from opd_exp.runtime.errors import ConfigError
 
     assert LoggerConfig().mode == "offline" and LoggerConfig().on_error == "fail"
     with pytest.raises(ConfigError, match="logger.on_error='retry' is not allowed; allowed: fail, offline"):
@@ -143,7 +143,7 @@ def assert_no_key(folder: Path):
 @pytest.mark.slow
 def test_offline_run_holds_the_metrics_config_and_resumes(local_pair, tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "opd_exp.train", *tiny_args(local_pair), "divergence=jsd", "divergence.beta=0.9",
+    cmd = [sys.executable, "-m", "opd_exp.cli.train", *tiny_args(local_pair), "divergence=jsd", "divergence.beta=0.9",
            f"hydra.run.dir={run_dir}"]
     done = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -181,14 +181,14 @@ def test_offline_run_holds_the_metrics_config_and_resumes(local_pair, tmp_path):
 
 
 CRASH = """
-import opd_exp.trainer as trainer
+import opd_exp.training.trainer as trainer
 _step = trainer.Trainer.train_step
 def train_step(self):
     if self.cfg.estimator.name.value == "topk":
         raise RuntimeError("test crash in train_step")
     return _step(self)
 trainer.Trainer.train_step = train_step
-from opd_exp.train import main
+from opd_exp.cli.train import main
 main()
 """
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from opd_exp.config.world import EmbeddedModelConfig, EmbeddedPairConfig, TaskConfig
-from opd_exp.world import cache
-from opd_exp.world.prepare import main as prepare_main
-from opd_exp.world.prepare import prepare_embedded
+from opd_exp.pairs.embedded import cache
+from opd_exp.cli.prepare import main as prepare_main
+from opd_exp.pairs.embedded.prepare import prepare_embedded
 
 
 def test_cache_root_precedence(monkeypatch, tmp_path):
@@ -74,7 +74,7 @@ def test_broken_entry_is_detected_and_rebuilt(tmp_path, damage, reason, caplog):
     entry = cache.get_or_build("thing", {"x": 1}, build, root=tmp_path)
     damage(entry)
     assert cache.check_entry(entry) == reason
-    with caplog.at_level("WARNING", logger="opd_exp.world"):
+    with caplog.at_level("WARNING", logger="opd_exp.pairs"):
         again = cache.get_or_build("thing", {"x": 1}, build, root=tmp_path)
     assert again == entry and build.calls == 2 and cache.check_entry(entry) is None
     assert (entry / "weights.bin").read_bytes() == b"w" * 100

@@ -7,11 +7,11 @@ import random
 import pytest
 
 from opd_exp.config.world import ModelPairConfig, TaskConfig, as_task_config
-from opd_exp.errors import ConfigError
+from opd_exp.runtime.errors import ConfigError
 from opd_exp.tasks import build_task
 from opd_exp.tasks.arithmetic import ArithmeticTask
 from opd_exp.tasks.base import Problem, Task, extract_answer, normalize_number, render_prompt, verify
-from opd_exp.world.arithmetic import ArithmeticSpec, make_problem, sample_problem
+from opd_exp.tasks.arithmetic import ArithmeticSpec, make_problem, sample_problem
 
 
 def _value(prompt: str) -> int:
@@ -154,9 +154,9 @@ def test_batched_greedy_eval_equals_one_by_one():
     import torch
 
     from opd_exp.config.world import EmbeddedModelConfig
-    from opd_exp.tasks.evaluate import evaluate_accuracy, generate_greedy
-    from opd_exp.world.models import build_model
-    from opd_exp.world.tokenizer import build_tokenizer
+    from opd_exp.training.evaluate import evaluate_accuracy
+    from opd_exp.pairs.embedded.models import build_model
+    from opd_exp.pairs.embedded.tokenizer import build_tokenizer
 
     tok = build_tokenizer()
     model = build_model(EmbeddedModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32), tok, 0)
@@ -166,8 +166,10 @@ def test_batched_greedy_eval_equals_one_by_one():
     problems = task.eval_problems()
     prompts = [task.render_prompt(p, tok) for p in problems]
     assert len({len(p) for p in prompts}) > 1  # really different lengths
-    batched = generate_greedy(model, tok, prompts, batch_size=12, max_new_tokens=12)
-    single = [generate_greedy(model, tok, [p], batch_size=1, max_new_tokens=12)[0] for p in prompts]
+    def completions(batch_size):
+        return evaluate_accuracy(model, tok, task, problems, batch_size=batch_size, max_new_tokens=12, return_completions=True)["completions"]
+
+    batched, single = completions(12), completions(1)
     assert batched == single
     assert all("<eos>" not in c and "<pad>" not in c for c in batched)
     model.train()
@@ -178,10 +180,11 @@ def test_batched_greedy_eval_equals_one_by_one():
 
 
 def test_evaluate_accuracy_counts_answers_and_format(monkeypatch):
-    from opd_exp.tasks import evaluate as ev
+    from opd_exp.training import evaluate as ev
 
     task = ArithmeticTask(TaskConfig(n_train=1, n_eval=4))
     problems = task.eval_problems()
     outs = [problems[0].solution, "#### " + problems[1].answer, "#### 99999", "no answer"]
-    monkeypatch.setattr(ev, "generate_greedy", lambda *a, **k: outs)  # score fixed completions
-    assert ev.evaluate_accuracy(object(), None, task, problems) == {"accuracy": 0.5, "format_rate": 0.75, "n": 4}
+    monkeypatch.setattr(ev, "greedy_batches", lambda engine, tok, task, problems, bs: iter([(list(problems), None)]))
+    monkeypatch.setattr(ev, "decode_responses", lambda tok, batch: outs)  # score fixed completions
+    assert ev.accuracy(None, None, task, problems, 64) == {"accuracy": 0.5, "format_rate": 0.75, "n": 4}

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from opd_exp.world.tokenizer import EOS, PAD, UNK, build_tokenizer, load_tokenizer, save_tokenizer
+from opd_exp.pairs.embedded.tokenizer import EOS, PAD, UNK, build_tokenizer, load_tokenizer, save_tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_model_folder_loads_the_same_tokenizer(tmp_path):
     from transformers import AutoTokenizer
 
     from opd_exp.config.world import EmbeddedModelConfig
-    from opd_exp.world.models import build_model, save_model
+    from opd_exp.pairs.embedded.models import build_model, save_model
 
     tok = build_tokenizer()
     model = build_model(EmbeddedModelConfig(hidden_size=8, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=8), tok, 0)

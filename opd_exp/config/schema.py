@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
-from opd_exp.errors import ConfigError
+from opd_exp.runtime.errors import ConfigError
 
 try:  # the embedded world's schemas (issue 3)
     from opd_exp.config.world import ModelPairConfig, TaskConfig

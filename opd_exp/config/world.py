@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from opd_exp.errors import ConfigError
+from opd_exp.runtime.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 TASKS = ("arithmetic", "gsm8k")

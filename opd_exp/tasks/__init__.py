@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from opd_exp.tasks.base import Problem, Task, extract_answer, render_prompt, verify
-from opd_exp.tasks.evaluate import evaluate_accuracy, generate_greedy
 
-__all__ = ["Problem", "Task", "build_task", "evaluate_accuracy", "extract_answer", "generate_greedy", "render_prompt", "verify"]
+__all__ = ["Problem", "Task", "build_task", "extract_answer", "render_prompt", "verify"]
 
 
 def build_task(task_cfg: Any = None) -> Task:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Optional
 
 from opd_exp.config.world import TaskConfig
-from opd_exp.errors import ConfigError
+from opd_exp.runtime.errors import ConfigError
 from opd_exp.tasks.base import Problem, Task, normalize_number
 
 MINI_PATH = Path(__file__).resolve().parent.parent / "data" / "gsm8k_mini.jsonl"

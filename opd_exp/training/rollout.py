@@ -13,6 +13,8 @@ tokens were drawn from (tests compare them with generate's own processed scores)
 
 from __future__ import annotations
 
+import abc
+import contextlib
 from dataclasses import dataclass, replace
 from typing import Iterator, Optional, Sequence
 
@@ -264,3 +266,42 @@ def decode_responses(tokenizer, batch: Batch) -> list[str]:
         kept = [i for i, keep in zip(ids, m) if keep]
         texts.append(tokenizer.decode(kept, skip_special_tokens=True))
     return texts
+
+
+class RolloutEngine(abc.ABC):
+    """Samples responses of one model and lays them out as a ``Batch``.
+
+    ``seeds`` (one per row, rows prompt-major): each row is drawn from its own generator, so a
+    row's tokens do not depend on which other rows share the batch (ranks, engines); None draws
+    from torch's global RNG, seeded per step by the trainer. ``greedy`` is evaluation.
+    """
+
+    source: str = "student"
+
+    @abc.abstractmethod
+    def generate(self, prompts: Sequence[str], seeds: Sequence[int] | None = None, *, n_samples: int = 1, greedy: bool = False) -> Batch:
+        ...
+
+    def sync(self, model, version: int) -> None:
+        """Make the engine sample ``model``'s current weights (``version``: the trainer step).
+        In-process engines sample the live module and need nothing."""
+
+
+class HfRollout(RolloutEngine):
+    """In-process sampling with Hugging Face ``generate`` over the trainer's own module."""
+
+    def __init__(self, model, tokenizer, rollout_cfg, vocab_size: int, *, source: str = "student",
+                 autocast=contextlib.nullcontext, synced_gpus: bool = False):
+        self.model, self.tokenizer, self.cfg, self.vocab_size = model, tokenizer, rollout_cfg, vocab_size
+        self.source, self.autocast, self.synced_gpus = source, autocast, synced_gpus
+
+    def generate(self, prompts, seeds=None, *, n_samples=1, greedy=False) -> Batch:
+        ro = self.cfg
+        with self.autocast():
+            return generate(
+                self.model, self.tokenizer, prompts, n_samples=n_samples, do_sample=not greedy,
+                max_new_tokens=ro.max_new_tokens, max_prompt_tokens=ro.max_prompt_tokens,
+                temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p, source=self.source,
+                vocab_size=self.vocab_size, row_seeds=None if greedy else seeds,
+                synced_gpus=self.synced_gpus and not greedy,
+            )

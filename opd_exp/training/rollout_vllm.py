@@ -1,11 +1,11 @@
 """``rollout.engine=vllm``: sample the student's responses with a vLLM engine (optional extra).
 
-Same interface as the HF rollout: ``generate(prompts, row_seeds)`` returns a ``rollout.Batch``
+A ``RolloutEngine`` like the HF one: ``generate(prompts, seeds)`` returns a ``rollout.Batch``
 laid out exactly as ``rollout.generate`` lays it out (prompts left-padded to a common length P,
 responses from column P, the response mask positional up to and including the first EOS).
 
 Weights: the engine loads the student's folder once; before each rollout the trainer calls
-``sync_weights(student, version=step)``, which pushes the student's current weights into the
+``sync(student, version=step)``, which pushes the student's current weights into the
 engine when they changed since the last push (i.e. after every optimizer update) and clears
 vLLM's prefix cache (KV blocks computed with the old weights).
 
@@ -40,8 +40,10 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from opd_exp.errors import ConfigError
-from opd_exp.rollout import Batch, encode_prompts, eos_token_ids, positions_from_mask, response_mask_from_ids
+from opd_exp.runtime.errors import ConfigError
+from opd_exp.training.rollout import (
+    Batch, RolloutEngine, encode_prompts, eos_token_ids, positions_from_mask, response_mask_from_ids,
+)
 
 PROCESSED = "processed_logprobs"
 
@@ -62,7 +64,7 @@ def _load_weights_on_worker(worker, weights):
     return len(weights)
 
 
-class VllmRollout:
+class VllmRollout(RolloutEngine):
     def __init__(
         self, llm, tokenizer, *, vocab_size: int, eos_ids: Sequence[int], max_new_tokens: int, max_prompt_tokens: int,
         temperature: float, top_k: int, top_p: float, processed: bool, sampling_params: Callable[..., Any] | None = None,
@@ -140,9 +142,12 @@ class VllmRollout:
         return True
 
     # -- sampling -----------------------------------------------------------
-    def _params(self, seed: int):
+    def sync(self, model, version: int) -> None:
+        self.sync_weights(model, version)
+
+    def _params(self, seed: int, greedy: bool = False):
         kw = dict(
-            n=1, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k if self.top_k > 0 else -1,
+            n=1, temperature=0.0 if greedy else self.temperature, top_p=self.top_p, top_k=self.top_k if self.top_k > 0 else -1,
             max_tokens=self.max_new_tokens, logprobs=0, seed=int(seed) % (2**31 - 1),
             stop_token_ids=self.eos_ids, detokenize=False,
         )
@@ -151,13 +156,16 @@ class VllmRollout:
         return self.sampling_params(**kw)
 
     @torch.no_grad()
-    def generate(self, prompts: Sequence[str], row_seeds: Sequence[int], source: str = "student") -> Batch:
-        """One response per prompt (callers repeat prompts for n_samples), as a ``Batch``."""
-        if len(row_seeds) != len(prompts):
-            raise ValueError(f"{len(row_seeds)} seeds for {len(prompts)} prompts")
+    def generate(self, prompts: Sequence[str], seeds: Sequence[int] | None = None, *, n_samples: int = 1, greedy: bool = False) -> Batch:
+        """``n_samples`` responses per prompt (rows prompt-major) as a ``Batch``; every sampled
+        row carries its own seed (vLLM has no global RNG to share)."""
+        prompts = [p for p in prompts for _ in range(n_samples)]
+        row_seeds = [0] * len(prompts) if greedy else seeds
+        if row_seeds is None or len(row_seeds) != len(prompts):
+            raise ValueError(f"{0 if row_seeds is None else len(row_seeds)} seeds for {len(prompts)} rows")
         ids, mask = encode_prompts(self.tokenizer, prompts, self.max_prompt_tokens)
         requests = [{"prompt_token_ids": ids[i][mask[i].bool()].tolist()} for i in range(len(prompts))]
-        outs = self.llm.generate(requests, [self._params(s) for s in row_seeds], use_tqdm=False)
+        outs = self.llm.generate(requests, [self._params(s, greedy) for s in row_seeds], use_tqdm=False)
         resp, lps = [], []
         for out in outs:
             o = out.outputs[0]
@@ -188,7 +196,7 @@ class VllmRollout:
             prompt_len=P,
             response_mask=rmask,
             prompt_index=torch.arange(N),
-            source=source,
+            source=self.source,
             sampling_logprobs=logprobs if self.processed else None,
         )
 

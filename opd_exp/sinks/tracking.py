@@ -28,16 +28,15 @@ import enum
 import os
 import re
 import sys
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
-from opd_exp.errors import ConfigError
+from opd_exp.runtime.errors import ConfigError
+from opd_exp.runtime.secrets import REDACTED, SECRET_NAME, plain_config, scrub, secret_values  # noqa: F401  (W&B's config)
+from opd_exp.sinks import Sink, _clean
 
-REDACTED = "<redacted>"
-# config keys and environment variables whose values are credentials
-# ("token" alone: hf_token, HF_TOKEN, access_token; not max_new_tokens, tokenizer, pad_token_id)
-SECRET_NAME = re.compile(r"(api[_-]?key|(?<![a-z])token(?![a-z]|_id)|secret|password|passwd|credential)", re.IGNORECASE)
 MAX_TAG = 64  # W&B's limit on one tag
 
 # Summary of a metric in W&B: "last" unless listed (best value and last value for eval curves).
@@ -52,49 +51,6 @@ STEP_METRIC = "step"  # training step: the x axis of every chart, train and eval
 
 class TrackingError(ConfigError):
     """W&B could not start and ``logger.on_error=fail``: one line, exit code 2."""
-
-
-# -- secrets --------------------------------------------------------------------
-
-
-def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
-    """Values of credential-like environment variables (WANDB_API_KEY, HF_TOKEN, ...)."""
-    env = os.environ if environ is None else environ
-    return sorted({v for k, v in env.items() if SECRET_NAME.search(k) and len(v) >= 8}, key=len, reverse=True)
-
-
-def scrub(obj: Any, secrets: Iterable[str] | None = None) -> Any:
-    """A copy of ``obj`` (dicts, lists, strings) with credentials replaced by ``<redacted>``:
-    values under a credential-like key, and any occurrence of a credential-like env value."""
-    secrets = list(secret_values() if secrets is None else secrets)
-
-    def clean(x, key: str = ""):
-        if isinstance(x, Mapping):
-            return {k: (REDACTED if SECRET_NAME.search(str(k)) and v not in (None, "") else clean(v, str(k))) for k, v in x.items()}
-        if isinstance(x, (list, tuple)):
-            return type(x)(clean(v) for v in x)
-        if isinstance(x, str):
-            for s in secrets:
-                x = x.replace(s, REDACTED)
-            name, sep, value = x.partition("=")  # an override `logger.api_key=...`
-            if sep and SECRET_NAME.search(name) and value:
-                return f"{name}={REDACTED}"
-        return x
-
-    return clean(obj)
-
-
-def plain_config(cfg: Any) -> Any:
-    """A (nested) config dataclass as JSON-able dicts and lists; enums by value."""
-    if dataclasses.is_dataclass(cfg) and not isinstance(cfg, type):
-        return {f.name: plain_config(getattr(cfg, f.name)) for f in dataclasses.fields(cfg)}
-    if isinstance(cfg, enum.Enum):
-        return cfg.value
-    if isinstance(cfg, (list, tuple)):
-        return [plain_config(v) for v in cfg]
-    if isinstance(cfg, Mapping):
-        return {k: plain_config(v) for k, v in cfg.items()}
-    return cfg
 
 
 # -- what Hydra knows about the job -------------------------------------------------
@@ -236,3 +192,56 @@ def define_metrics(run) -> None:
     for key, summary in SUMMARIES.items():
         run.define_metric(key, step_metric=STEP_METRIC, summary=summary)
     run.define_metric("*", step_metric=STEP_METRIC)
+
+
+class WandbSink(Sink):
+    """Weights & Biases (offline by default); the glue is above.
+
+    The run lives in ``<run_dir>/wandb/``; its id is kept in ``<run_dir>/wandb_id.txt`` so a
+    resumed run continues the same W&B run. Every metric is charted against ``step`` (the
+    training step, logged with each row), so a resumed run's rows are never dropped. Closing
+    while an exception propagates finishes the run as failed (exit code 1).
+    """
+
+    is_wandb = True
+
+    def __init__(self, run_dir: Path, *, project: str = "opd-exp", entity=None, group=None, job_type=None, tags=(),
+                 mode="offline", name=None, config=None, on_error: str = "fail", overrides=None):
+        run_dir = Path(run_dir)
+        job = hydra_job()
+        config = scrub(plain_config(config or {}))
+        overrides = job.overrides if overrides is None else list(overrides)
+        run_id = read_run_id(run_dir) or os.environ.get("WANDB_RUN_ID") or uuid.uuid4().hex[:12]
+        self._run = start_run(
+            run_dir, project=project, entity=entity, group=run_group(group, job), job_type=job_type,
+            tags=run_tags(tags, overrides, config.get("divergence")), mode=mode, on_error=on_error,
+            name=name or (run_dir.name if job.multirun else None), config=config, run_id=run_id,
+        )
+        (run_dir / "wandb_id.txt").write_text(self._run.id)
+        define_metrics(self._run)
+        self._tracked = set(SUMMARIES)
+
+    @classmethod
+    def from_config(cls, cfg, run_dir: Path, **kw) -> "WandbSink":
+        """From a TrainConfig: its ``logger`` group and the whole config as the run config."""
+        lg = cfg.logger
+        return cls(run_dir, project=lg.project, entity=lg.entity, group=lg.group, job_type=lg.job_type, tags=lg.tags,
+                   mode=lg.mode, name=cfg.name, config=cfg, on_error=getattr(lg, "on_error", "fail"), **kw)
+
+    @property
+    def run(self):
+        return self._run
+
+    def log(self, metrics, step):
+        self._run.log({**_clean(metrics), "step": step})
+
+    def summary(self, values):
+        for k, v in _clean(values).items():  # a tracked key keeps its best/last values: its final one
+            self._run.summary[f"final/{k}" if k in self._tracked else k] = v  # goes to final/<key>
+
+    def close(self):
+        if self._run is None:
+            return
+        failed = sys.exc_info()[0] is not None  # called from a `finally` during an exception
+        run, self._run = self._run, None
+        run.finish(exit_code=1 if failed else 0)

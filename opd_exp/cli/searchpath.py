@@ -2,8 +2,8 @@
 
 ``sweeps/`` is a second config root next to ``conf/``: ``sweeps/sweep/<name>.yaml`` is the
 ``sweep`` group (``opd-train -m sweep=divergence``), ``sweeps/variant/`` holds the variants a
-sweep picks by name. ``opd_exp.train`` registers the plugin when imported, so ``opd-train``,
-``python -m opd_exp.train`` and ``hydra.compose`` after ``import opd_exp.train`` all see it.
+sweep picks by name. ``opd_exp.cli.train`` registers the plugin when imported, so ``opd-train``,
+``python -m opd_exp.cli.train`` and ``hydra.compose`` after ``import opd_exp.cli.train`` all see it.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hydra.core.config_search_path import ConfigSearchPath
 from hydra.core.plugins import Plugins
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
-SWEEPS_DIR = Path(__file__).resolve().parent.parent / "sweeps"
+SWEEPS_DIR = Path(__file__).resolve().parents[2] / "sweeps"
 
 
 class OpdSweepsSearchPath(SearchPathPlugin):

@@ -7,7 +7,6 @@ them on purpose and prints where they are and how well each model does.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import logging
@@ -21,12 +20,13 @@ from typing import Any, Iterator, Optional, Sequence
 from opd_exp.config.world import (
     EmbeddedModelConfig, EmbeddedPairConfig, ModelPairConfig, TaskConfig, as_pair_config, as_task_config,
 )
-from opd_exp.errors import ConfigError
-from opd_exp.world import cache
-from opd_exp.world.arithmetic import ArithmeticSpec, eval_split, train_split
-from opd_exp.world.tokenizer import SPECIAL_TOKENS, TOKENIZER_CLASS, load_tokenizer, save_tokenizer
+from opd_exp.runtime.errors import ConfigError
+from opd_exp.pairs.embedded import cache
+from opd_exp.runtime import files
+from opd_exp.tasks.arithmetic import ArithmeticSpec, eval_split, train_split
+from opd_exp.pairs.embedded.tokenizer import SPECIAL_TOKENS, TOKENIZER_CLASS, load_tokenizer, save_tokenizer
 
-log = logging.getLogger("opd_exp.world")
+log = logging.getLogger("opd_exp.pairs")
 
 # Bump when generation, tokenizer or training code changes what an entry contains.
 WORLD_VERSION = 2  # 2: SFT batches no longer length-bucketed (entries built before were worse teachers)
@@ -120,8 +120,9 @@ def _build_tokenizer(folder: Path) -> dict:
 
 def _build_model(folder: Path, role: str, pair: EmbeddedPairConfig, task: TaskConfig, tok_dir: Path, progress: bool) -> dict:
     from opd_exp.tasks.arithmetic import ArithmeticTask
-    from opd_exp.world.models import build_model, count_parameters, save_model
-    from opd_exp.world.sft import evaluate_accuracy, sft_train
+    from opd_exp.pairs.embedded.models import build_model, count_parameters, save_model
+    from opd_exp.pairs.embedded.sft import sft_train
+    from opd_exp.training.evaluate import evaluate_accuracy
 
     recipe: EmbeddedModelConfig = getattr(pair, role)
     tokenizer = load_tokenizer(tok_dir)
@@ -170,7 +171,7 @@ def prepare_embedded(pair_cfg: Any = None, task_cfg: Any = None, *, progress: bo
     keys = {"tokenizer": tokenizer_key(), "teacher": model_key("teacher", pair, task), "student": model_key("student", pair, task)}
     if force:
         for kind, key in keys.items():
-            cache._discard(cache.entry_path(f"embedded-{kind}", key))
+            files.discard(cache.entry_path(f"embedded-{kind}", key))
     with torch_threads(pair.threads):
         tok_dir = cache.get_or_build("embedded-tokenizer", keys["tokenizer"], _build_tokenizer)
         folders = {}
@@ -181,50 +182,3 @@ def prepare_embedded(pair_cfg: Any = None, task_cfg: Any = None, *, progress: bo
             )
     info = {role: cache.read_manifest(folders[role]).get("info", {}) for role in folders}
     return PreparedPair(student=folders["student"], teacher=folders["teacher"], tokenizer=tok_dir, info=info)
-
-
-def _parse_overrides(overrides: Sequence[str]) -> tuple[ModelPairConfig, TaskConfig]:
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
-
-    base = OmegaConf.structured({"model_pair": ModelPairConfig(), "task": TaskConfig()})
-    for item in overrides:
-        if "=" not in item or not item.split("=", 1)[0].startswith(("model_pair.", "task.")):
-            raise ConfigError(f"override: got {item!r}; allowed: key=value with a key under model_pair. or task. (e.g. model_pair.embedded.teacher.sft_steps=100)")
-    try:
-        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
-        obj = OmegaConf.to_object(merged)
-    except OmegaConfBaseException as exc:
-        raise ConfigError(f"override: {str(exc).splitlines()[0]}") from None
-    return obj["model_pair"], obj["task"]
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``opd-prepare [--force] [--quiet] [model_pair.embedded.x=... task.x=...]``"""
-    parser = argparse.ArgumentParser(prog="opd-prepare", description="Build (or check) the cached embedded teacher/student pair.")
-    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. model_pair.embedded.teacher.sft_steps=100 task.max_digits=2")
-    parser.add_argument("--force", action="store_true", help="discard the cached entries and rebuild them")
-    parser.add_argument("--quiet", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    try:
-        pair_cfg, task_cfg = _parse_overrides(args.overrides)
-        started = time.perf_counter()
-        prepared = prepare_embedded(pair_cfg.embedded, task_cfg, progress=not args.quiet, force=args.force)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(f"cache: {cache.cache_root()}  ({time.perf_counter() - started:.1f} s)")
-    print(f"tokenizer: {prepared.tokenizer}")
-    for role in ("teacher", "student"):
-        i = prepared.info[role]
-        print(
-            f"{role}: {getattr(prepared, role)}\n"
-            f"  params={i.get('params')} greedy accuracy={i.get('accuracy'):.3f} "
-            f"format_rate={i.get('format_rate'):.3f} (n={i.get('n_check')}) sft_seconds={i.get('sft_seconds')}"
-        )
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

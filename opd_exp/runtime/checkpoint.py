@@ -4,14 +4,15 @@ state and RNG, written atomically (a temp folder renamed into place).
 Layout: ``<run>/checkpoints/step_000050/{model.safetensors, optimizer.pt, state.json,
 rng.pt, manifest.json}``. Only folders named ``step_<n>`` count; a crash mid-write leaves a
 ``.tmp-*`` folder that is ignored and swept away, so resume always finds a complete
-checkpoint. ``manifest.json`` (written last) records each file's size, so a file truncated
-afterwards (a copy cut short, a full disk) makes the checkpoint incomplete, never loadable.
+checkpoint. ``manifest.json`` (written last) records each file's size and SHA-256: a file
+truncated afterwards makes the checkpoint incomplete (never listed), and a file whose bytes
+changed fails its checksum when loaded, so ``restore`` sets it aside and takes the older one.
 Older checkpoints are pruned only after the new one has been renamed into place.
 
 Nothing here unpickles code: weights are safetensors, the optimizer and RNG files are read
 with ``torch.load(weights_only=True)``.
 
-``RunLock``: one training process per run folder (an advisory ``flock`` the kernel drops when
+``RunLock``: one training process per run folder (a ``filelock`` lock the kernel drops when
 the process dies, even by SIGKILL), so a second job in the same folder fails at start-up
 instead of interleaving checkpoints and metrics.
 """
@@ -29,10 +30,13 @@ from typing import Any
 
 import torch
 
+from opd_exp.runtime import files
+
 _NAME = re.compile(r"^step_(\d+)$")
 _FILES = ("model.safetensors", "optimizer.pt", "state.json", "rng.pt")
 MANIFEST = "manifest.json"
 LOCK = ".opd-train.lock"
+OWNER = ".opd-train.pid"
 
 
 def checkpoint_root(run_dir: Path) -> Path:
@@ -58,58 +62,53 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, loop_state: dict
     from safetensors.torch import save_model
 
     root = checkpoint_root(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
     if _complete(final):
         # Same step, same state (a preemption save right after a periodic one): never remove a
         # complete checkpoint to write its twin; a kill in between would leave none.
         return final
-    tmp = root / f".tmp-step_{step:06d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_model(model, str(tmp / "model.safetensors"))  # handles tied embeddings
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
-    torch.save(rng_state(), tmp / "rng.pt")
-    (tmp / "state.json").write_text(json.dumps({"step": step, **loop_state}, indent=2) + "\n")
-    sizes = {f: (tmp / f).stat().st_size for f in _FILES}
-    (tmp / MANIFEST).write_text(json.dumps({"step": step, "sizes": sizes}) + "\n")
-    for f in tmp.iterdir():  # data on disk before the rename makes it visible
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    if final.exists():  # an incomplete leftover of the same name (never a complete one)
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    _fsync_dir(root)
+    with files.atomic_folder(final) as tmp:
+        save_model(model, str(tmp / "model.safetensors"))  # handles tied embeddings
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+        (tmp / "state.json").write_text(json.dumps({"step": step, **loop_state}, indent=2) + "\n")
+        files.write_manifest(tmp, MANIFEST, {"step": step})
     _prune(root, keep)  # only now: the new checkpoint is complete and visible
     return final
 
 
-def _fsync_dir(path: Path) -> None:
+def _manifest(path: Path) -> dict | None:
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:  # not supported on this platform
-        return
-    try:
-        with contextlib.suppress(OSError):  # some filesystems cannot fsync a directory
-            os.fsync(fd)
-    finally:
-        os.close(fd)
+        m = json.loads((path / MANIFEST).read_text())
+        return m if isinstance(m, dict) else None
+    except (OSError, ValueError):
+        return None
 
 
 def _complete(path: Path) -> bool:
-    """Every file present, and as large as the manifest says (checkpoints written before
-    manifests existed are accepted on presence alone)."""
+    """Every file present, and as large as the manifest says (cheap: no hashing; checkpoints
+    written before manifests existed are accepted on presence alone)."""
     if not all((path / f).is_file() for f in _FILES):
         return False
-    manifest = path / MANIFEST
-    if not manifest.is_file():
+    if not (path / MANIFEST).is_file():
         return True
-    try:
-        sizes = json.loads(manifest.read_text())["sizes"]
-        return all((path / f).stat().st_size == int(n) for f, n in sizes.items())
-    except (OSError, ValueError, KeyError, TypeError):
+    m = _manifest(path)
+    if m is None:
         return False
+    try:
+        sizes = {rel: meta["size"] for rel, meta in m["files"].items()} if "files" in m else m["sizes"]
+        return all((path / f).stat().st_size == int(n) for f, n in sizes.items())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def verify(path: Path) -> str | None:
+    """None when every file matches its SHA-256 in the manifest (older manifests carry sizes
+    only, which ``_complete`` checked), else the reason."""
+    m = _manifest(path)
+    if m is None or "files" not in m:
+        return None if _complete(path) else "incomplete"
+    return files.check_manifest(path, MANIFEST, required=_FILES)
 
 
 def list_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
@@ -142,6 +141,9 @@ def load(path: Path, model, optimizer, scheduler) -> dict[str, Any]:
     """Restore weights, optimizer, scheduler and RNG; return the JSON loop state."""
     from safetensors.torch import load_model
 
+    problem = verify(path)
+    if problem is not None:
+        raise ValueError(problem)
     load_model(model, str(path / "model.safetensors"), device=str(next(model.parameters()).device))
     state = json.loads((path / "state.json").read_text())  # parse first: cheap, and fails before any change
     # weights_only: tensors and plain containers only; a tampered file cannot run code
@@ -155,51 +157,43 @@ def load(path: Path, model, optimizer, scheduler) -> dict[str, Any]:
 
 def _prune(root: Path, keep: int) -> None:
     """Sweep crashed ``.tmp-*`` writes; keep the newest ``keep`` complete checkpoints."""
-    for p in root.iterdir():
-        if p.name.startswith(".tmp-"):
-            shutil.rmtree(p, ignore_errors=True)
+    files.sweep_tmp(root)
     ckpts = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _NAME.match(p.name)) and _complete(p))
     for _, p in ckpts[:-keep] if keep > 0 else []:
         shutil.rmtree(p, ignore_errors=True)
 
 
 class RunLock:
-    """Holds ``<run>/.opd-train.lock`` for one process; re-entrant within it."""
+    """Holds ``<run>/.opd-train.lock`` for one process; re-entrant within it. The owner's pid
+    is kept beside it (``.opd-train.pid``) for the message a second process gets."""
 
-    _held: dict[str, list] = {}  # path -> [file handle, depth]
+    _held: dict[str, list] = {}  # path -> [lock context, depth]
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK
+        self.owner = Path(run_dir) / OWNER
 
     def __enter__(self) -> "RunLock":
-        from opd_exp.errors import ConfigError
+        from opd_exp.runtime.errors import ConfigError
 
         key = str(self.path.resolve())
         if key in self._held:
             self._held[key][1] += 1
             return self
-        try:
-            import fcntl
-        except ImportError:  # not POSIX: no lock (the rename-based checkpoints stay atomic)
-            self._held[key] = [None, 1]
-            return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(self.path, "a+")
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            fh.seek(0)
-            owner = fh.read().strip() or "unknown"
-            fh.close()
+        ctx = files.file_lock(self.path, blocking=False)
+        if not ctx.__enter__():
+            ctx.__exit__(None, None, None)
+            try:
+                owner = self.owner.read_text().strip() or "unknown"
+            except OSError:
+                owner = "unknown"
             raise ConfigError(
                 f"hydra.run.dir: {self.path.parent} is in use by another opd-train process (pid {owner}); "
                 f"allowed: wait for it to end, or a different hydra.run.dir"
-            ) from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"{os.getpid()}\n")
-        fh.flush()
-        self._held[key] = [fh, 1]
+            )
+        with contextlib.suppress(OSError):
+            self.owner.write_text(f"{os.getpid()}\n")
+        self._held[key] = [ctx, 1]
         return self
 
     def __exit__(self, *exc) -> None:
@@ -210,5 +204,39 @@ class RunLock:
         entry[1] -= 1
         if entry[1] == 0:
             del self._held[key]
-            if entry[0] is not None:
-                entry[0].close()  # closing drops the flock
+            entry[0].__exit__(None, None, None)
+
+
+def restore(run_dir: Path, model, optimizer, scheduler, warn=print) -> tuple[int, dict[str, Any]] | None:
+    """Load the newest checkpoint that loads; return (step, loop state), or None when the
+    folder holds none. One that fails (damaged bytes, another model) is renamed ``step_N.bad``
+    with a warning and the next older one is tried; if none loads, a ``ConfigError`` says so
+    (never a silent fresh start on top of a run's folder)."""
+    from opd_exp.runtime.errors import ConfigError
+
+    root = checkpoint_root(run_dir)
+    found = list_checkpoints(run_dir)
+    if not found:
+        bad = damaged(run_dir)
+        if bad:  # our writes are atomic: these were complete once; never start over on top
+            raise ConfigError(
+                f"hydra.run.dir: no checkpoint in {root} can be loaded ({', '.join(p.name for p in bad)}: incomplete "
+                f"or damaged); allowed: move checkpoints/ away to start the run over"
+            )
+        return None
+    first_error = None
+    for _, path in reversed(found):
+        try:
+            state = load(path, model, optimizer, scheduler)
+        except Exception as ex:  # noqa: BLE001 - any damage: try the older one
+            reason = files.first_line(ex, 200)
+            first_error = first_error or f"{path}: {reason}"
+            warn(f"opd-train: warning: checkpoint {path} cannot be loaded ({reason}); set aside as {path.name}.bad, trying an older one")
+            if path.is_dir():
+                path.rename(path.with_name(path.name + ".bad"))
+            continue
+        return int(state.pop("step")), state
+    raise ConfigError(
+        f"hydra.run.dir: no checkpoint in {root} can be loaded (newest: {first_error}); "
+        f"allowed: checkpoints of this model, or move checkpoints/ away to start the run over"
+    )

@@ -53,7 +53,7 @@ def save_model(model: Any, tokenizer: Any, folder: str | Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(folder))  # safetensors is the default (and the only format we load)
     tokenizer.save_pretrained(str(folder))
-    from opd_exp.world.tokenizer import fix_tokenizer_config
+    from opd_exp.pairs.embedded.tokenizer import fix_tokenizer_config
 
     fix_tokenizer_config(folder)
     return folder

@@ -1,10 +1,10 @@
-"""`opd-train` (also `python -m opd_exp.train`): compose the config, validate it, run the loop.
+"""`opd-train` (also `python -m opd_exp.cli.train`): compose the config, validate it, run the loop.
 
 Config errors (an unknown option or key, a wrong type, an out-of-range value, a
 combination that cannot work) end the command with one line on stderr and exit code 2,
 before any model loads. Set HYDRA_FULL_ERROR=1 to see Hydra's full report instead.
 
-Exit codes (opd_exp/guards.py, docs/reliability.md): 0 finished; 2 config/input error;
+Exit codes (opd_exp/runtime/guards.py, docs/reliability.md): 0 finished; 2 config/input error;
 3 too many non-finite steps in a row; 75 preempted by SIGTERM/SIGUSR1/SIGUSR2 after saving
 a checkpoint (run the same command again to resume).
 """
@@ -19,9 +19,9 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from opd_exp.config import TrainConfig, register_configs
-from opd_exp.errors import ConfigError
-from opd_exp.guards import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, Diverged, Preempted
-from opd_exp.searchpath import register as register_sweeps
+from opd_exp.runtime.errors import ConfigError
+from opd_exp.runtime.guards import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, Diverged, Preempted
+from opd_exp.cli.searchpath import register as register_sweeps
 
 register_configs()
 register_sweeps()  # sweeps/ on Hydra's search path: `opd-train -m sweep=<name>`
@@ -51,7 +51,7 @@ def _reject_unknown_keys(obj, prefix: str = "") -> None:
 
 
 # An absolute path: as a console script, Hydra would resolve "../conf" as a module and fail.
-CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")
@@ -67,18 +67,18 @@ def _app(cfg: DictConfig) -> float:
     sinks = []
     # start W&B before the models load: a failure stops at once; under torchrun, rank 0 only
     if typed.logger.name.value == "wandb" and os.environ.get("RANK", "0") == "0":
-        from opd_exp.sinks import WandbSink
-        from opd_exp.tracking import TrackingError
+        from opd_exp.sinks.tracking import TrackingError, WandbSink
 
         try:
             sinks.append(WandbSink.from_config(typed, run_dir))
         except TrackingError as ex:
             _fail(ex)
-    from opd_exp.trainer import Trainer  # heavy imports only after the config is known good
+    from opd_exp.training.trainer import Trainer, require_extras  # heavy imports only after the config is known good
 
     try:
         try:
-            trainer = Trainer(typed, run_dir, sinks=sinks)
+            require_extras(typed)
+            trainer = Trainer(typed, run_dir, sinks=sinks, **build_inputs(typed))
         except BaseException:
             for sink in sinks:
                 sink.close()  # inside the exception: the W&B run is marked failed
@@ -102,13 +102,25 @@ def _app(cfg: DictConfig) -> float:
     return float(summary.get("eval/kl_reverse", float("nan")))  # what a sweeper minimises
 
 
+def build_inputs(cfg: TrainConfig) -> dict:
+    """The task and the model pair a config names (the data is read before any model loads)."""
+    from opd_exp.pairs import load_pair
+    from opd_exp.runtime import distributed
+    from opd_exp.tasks import build_task
+
+    task = build_task(cfg.task)
+    task.train_problems()  # a missing or damaged dataset fails here, before the models load
+    device = distributed.device_for(cfg.trainer.device, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+    return {"task": task, "pair": load_pair(cfg.model_pair, cfg.task, device)}
+
+
 def scrub_hydra_dir(folder: Path) -> None:
     """Redact credentials from Hydra's record of the run (``.hydra/*.yaml``): an override like
     ``+logger.api_key=...`` or a token pasted into a value is written there before any
-    validation runs. Same rules as the W&B config (``opd_exp.tracking.scrub``)."""
+    validation runs. Same rules as the W&B config (``opd_exp.runtime.secrets.scrub``)."""
     import re
 
-    from opd_exp.tracking import REDACTED, SECRET_NAME, secret_values
+    from opd_exp.runtime.secrets import REDACTED, SECRET_NAME, secret_values
 
     if not folder.is_dir():
         return

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from conftest import build_model
+from helpers.tiny import build_model
 
 
 def make_local_pair(root: Path) -> Path:
     """Student and teacher folders sharing the embedded byte-level tokenizer (259 tokens)."""
-    from opd_exp.world.tokenizer import load_tokenizer, save_tokenizer
+    from opd_exp.pairs.embedded.tokenizer import load_tokenizer, save_tokenizer
 
     for name in ("student", "teacher"):
         save_tokenizer(root / name)
@@ -42,8 +42,8 @@ BASE = [
 
 
 def run_in_process(args: list[str], run_dir: Path, monkeypatch, capsys) -> tuple[int, str, str]:
-    """`opd-train ARGS hydra.run.dir=RUN` via opd_exp.train.main: (exit code, stdout, stderr)."""
-    from opd_exp.train import main
+    """`opd-train ARGS hydra.run.dir=RUN` via opd_exp.cli.train.main: (exit code, stdout, stderr)."""
+    from opd_exp.cli.train import main
 
     monkeypatch.setattr(sys, "argv", ["opd-train", *args, f"hydra.run.dir={run_dir}"])
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
@@ -60,7 +60,7 @@ def run_in_process(args: list[str], run_dir: Path, monkeypatch, capsys) -> tuple
 def popen(args: list[str], run_dir: Path, **kw) -> subprocess.Popen:
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", PYTHONUNBUFFERED="1")
     env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.Popen([sys.executable, "-m", "opd_exp.train", *args, f"hydra.run.dir={run_dir}"],
+    return subprocess.Popen([sys.executable, "-m", "opd_exp.cli.train", *args, f"hydra.run.dir={run_dir}"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kw)
 
 
@@ -80,7 +80,7 @@ def comparable(rows: list[dict]) -> list[dict]:
 
 
 def final_weights(run_dir: Path) -> dict:
-    from opd_exp import checkpoint
+    from opd_exp.runtime import checkpoint
     from safetensors.torch import load_file
 
     path = checkpoint.latest(run_dir)

@@ -11,7 +11,6 @@ import time
 from typing import Any, Callable, Optional, Sequence
 
 from opd_exp.tasks.base import Problem, render_prompt
-from opd_exp.tasks.evaluate import evaluate_accuracy, generate_greedy  # noqa: F401  (re-exported)
 
 
 def encode_sft(tokenizer: Any, problems: Sequence[Problem]):

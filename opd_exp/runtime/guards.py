@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 EXIT_CONFIG = 2
@@ -96,3 +97,57 @@ def nonfinite_summary(x) -> Optional[str]:
     inf = int((~finite).sum()) - nan
     parts = [f"{nan} NaN" if nan else "", f"{inf} inf" if inf else ""]
     return f"{', '.join(p for p in parts if p)} of {x.numel()}"
+
+
+@dataclass
+class StepGuard:
+    """The loop's non-finite guard: records each step's outcome, decides when to stop, and says
+    why. Its counters are part of the loop state (a resumed run continues them)."""
+
+    max_bad_steps: int
+    skipped_steps: int = 0  # steps whose loss, gradient or teacher logits were not finite
+    empty_steps: int = 0  # steps without a response token (no update)
+    bad_in_a_row: int = 0
+    bad_since: int = 0
+    last_problem: Optional[str] = None
+
+    def record_empty(self) -> None:
+        self.empty_steps += 1
+
+    def record(self, step: int, problem: Optional[str]) -> None:
+        """``problem`` is None for a finite step, else what was not finite."""
+        if problem is None:
+            self.bad_in_a_row = 0
+            return
+        self.skipped_steps += 1
+        self.bad_in_a_row += 1
+        if self.bad_in_a_row == 1:
+            self.bad_since = step
+        self.last_problem = problem
+
+    @property
+    def should_stop(self) -> bool:
+        return self.bad_in_a_row >= self.max_bad_steps
+
+    def stop_message(self, step: int, latest_checkpoint: Any) -> str:
+        return (
+            f"{self.bad_in_a_row} non-finite steps in a row (steps {self.bad_since}-{step}; last: {self.last_problem}); "
+            f"stopped without saving, last checkpoint intact: {latest_checkpoint or 'none'}; allowed: a lower trainer.lr, "
+            f"trainer.grad_clip > 0, a teacher with finite log-probs, or a larger trainer.max_bad_steps={self.max_bad_steps}"
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "skipped_steps": self.skipped_steps, "empty_steps": self.empty_steps,
+            "bad_in_a_row": self.bad_in_a_row, "bad_since": self.bad_since,
+        }
+        if self.last_problem is not None:
+            out["last_problem"] = self.last_problem
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        self.empty_steps = int(state.get("empty_steps", 0))
+        self.bad_in_a_row = int(state.get("bad_in_a_row", 0))
+        self.bad_since = int(state.get("bad_since", 0))
+        self.last_problem = state.get("last_problem")

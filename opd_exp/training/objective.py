@@ -27,7 +27,7 @@ import torch
 from opd_exp.config.schema import Credit, EstimatorName, LossName, TrainConfig
 from opd_exp.divergences import get_divergence, sequence_returns
 from opd_exp.divergences import topk_estimate
-from opd_exp.scoring import entropy, teacher_topk, token_logprobs
+from opd_exp.training.scoring import entropy, teacher_topk, token_logprobs
 
 # Per-token metrics summed over response tokens (divide by the global token count).
 TOKEN_METRICS = (

@@ -1,7 +1,8 @@
 """Metric sinks: where a step's metrics go. Never imports models.
 
 ``metrics.jsonl`` in the run folder is always written (one JSON object per logged step);
-the chosen logger (W&B or nothing) gets the same dicts. ``Progress`` is the console bar.
+the chosen logger (W&B, ``tracking.py``, or nothing) gets the same dicts. ``Progress`` is
+the console bar.
 """
 
 from __future__ import annotations
@@ -10,8 +11,6 @@ import json
 import math
 import os
 import sys
-import time
-import uuid
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -39,8 +38,6 @@ class Sink:
     def close(self) -> None:
         """Flush and release (nothing to do for the `none` logger)."""
 
-
-NullSink = Sink
 
 
 def _step_of(line: str) -> float:
@@ -81,59 +78,6 @@ class JsonlSink(Sink):
 
     def close(self):
         self._fh.close()
-
-
-class WandbSink(Sink):
-    """Weights & Biases (offline by default); the glue lives in ``opd_exp.tracking``.
-
-    The run lives in ``<run_dir>/wandb/``; its id is kept in ``<run_dir>/wandb_id.txt`` so a
-    resumed run continues the same W&B run. Every metric is charted against ``step`` (the
-    training step, logged with each row), so a resumed run's rows are never dropped. Closing
-    while an exception propagates finishes the run as failed (exit code 1).
-    """
-
-    def __init__(self, run_dir: Path, *, project: str = "opd-exp", entity=None, group=None, job_type=None, tags=(),
-                 mode="offline", name=None, config=None, on_error: str = "fail", overrides=None):
-        from opd_exp import tracking
-
-        run_dir = Path(run_dir)
-        job = tracking.hydra_job()
-        config = tracking.scrub(tracking.plain_config(config or {}))
-        overrides = job.overrides if overrides is None else list(overrides)
-        run_id = tracking.read_run_id(run_dir) or os.environ.get("WANDB_RUN_ID") or uuid.uuid4().hex[:12]
-        self._run = tracking.start_run(
-            run_dir, project=project, entity=entity, group=tracking.run_group(group, job), job_type=job_type,
-            tags=tracking.run_tags(tags, overrides, config.get("divergence")), mode=mode, on_error=on_error,
-            name=name or (run_dir.name if job.multirun else None), config=config, run_id=run_id,
-        )
-        (run_dir / "wandb_id.txt").write_text(self._run.id)
-        tracking.define_metrics(self._run)
-        self._tracked = set(tracking.SUMMARIES)
-
-    @classmethod
-    def from_config(cls, cfg, run_dir: Path, **kw) -> "WandbSink":
-        """From a TrainConfig: its ``logger`` group and the whole config as the run config."""
-        lg = cfg.logger
-        return cls(run_dir, project=lg.project, entity=lg.entity, group=lg.group, job_type=lg.job_type, tags=lg.tags,
-                   mode=lg.mode, name=cfg.name, config=cfg, on_error=getattr(lg, "on_error", "fail"), **kw)
-
-    @property
-    def run(self):
-        return self._run
-
-    def log(self, metrics, step):
-        self._run.log({**_clean(metrics), "step": step})
-
-    def summary(self, values):
-        for k, v in _clean(values).items():  # a tracked key keeps its best/last values: its final one
-            self._run.summary[f"final/{k}" if k in self._tracked else k] = v  # goes to final/<key>
-
-    def close(self):
-        if self._run is None:
-            return
-        failed = sys.exc_info()[0] is not None  # called from a `finally` during an exception
-        run, self._run = self._run, None
-        run.finish(exit_code=1 if failed else 0)
 
 
 class MultiSink(Sink):
@@ -184,13 +128,3 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-class Stopwatch:
-    def __init__(self):
-        self.t0 = time.perf_counter()
-
-    def lap(self) -> float:
-        now = time.perf_counter()
-        dt, self.t0 = now - self.t0, now
-        return dt

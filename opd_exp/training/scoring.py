@@ -8,9 +8,12 @@ vocabulary (embedding tables may be padded: 151936 vs 152064 rows for Qwen2.5).
 
 from __future__ import annotations
 
+import abc
+import contextlib
+
 import torch
 
-from opd_exp.rollout import Batch, sampling_logits
+from opd_exp.training.rollout import Batch, sampling_logits
 
 
 def response_logits(model, batch: Batch, vocab_size: int) -> torch.Tensor:
@@ -61,3 +64,27 @@ def entropy(logits: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
         lp = torch.log_softmax(flat[start : start + chunk_rows].float(), dim=-1)
         out[start : start + chunk_rows] = -(lp.exp() * lp).sum(-1)
     return out.reshape(lead)
+
+
+class TeacherScorer(abc.ABC):
+    """Scores a batch with the frozen teacher: the logits that predict every response token."""
+
+    @abc.abstractmethod
+    def logits(self, batch: Batch) -> torch.Tensor:
+        """``[N, R, V]`` teacher logits divided by the divergence temperature (fp32, no grad),
+        on the batch's device."""
+
+
+class InProcessTeacher(TeacherScorer):
+    """The teacher as a module in this process, possibly on another device than the student."""
+
+    def __init__(self, model, vocab_size: int, *, temperature: float, device, autocast=contextlib.nullcontext):
+        self.model, self.vocab_size, self.temperature = model, vocab_size, temperature
+        self.device, self.autocast = torch.device(device), autocast
+
+    def logits(self, batch: Batch) -> torch.Tensor:
+        where = batch.input_ids.device
+        with self.autocast():
+            if where == self.device:
+                return teacher_logits(self.model, batch, self.vocab_size, temperature=self.temperature)
+            return teacher_logits(self.model, batch.to(self.device), self.vocab_size, temperature=self.temperature).to(where)

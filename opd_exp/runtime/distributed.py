@@ -1,6 +1,6 @@
 """Multi-process training under ``torchrun``: process group, data sharding, reductions, wrapping.
 
-``trainer.parallel=ddp|fsdp`` with ``torchrun --nproc_per_node=N -m opd_exp.train ...``:
+``trainer.parallel=ddp|fsdp`` with ``torchrun --nproc_per_node=N -m opd_exp.cli.train ...``:
 
 * the process group comes from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
   MASTER_ADDR/PORT): nccl on CUDA, gloo on CPU; each rank uses ``cuda:LOCAL_RANK``;
@@ -34,7 +34,7 @@ from typing import Any, Iterator, Sequence
 
 import torch
 
-from opd_exp.errors import ConfigError
+from opd_exp.runtime.errors import ConfigError
 
 
 @dataclass

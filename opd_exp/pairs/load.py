@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from opd_exp.config.world import ModelPairConfig, as_pair_config, as_task_config  # noqa: F401
-from opd_exp.errors import ConfigError
+from opd_exp.runtime.errors import ConfigError
 
 log = logging.getLogger("opd_exp.pairs")
 
@@ -65,7 +65,7 @@ def resolve_pair(pair_cfg: Any, task_cfg: Any = None, *, progress: bool = True) 
             if role not in EMBEDDED_ROLES:
                 raise ConfigError(f"model_pair.{key}: got {value!r}; allowed: 'embedded:student', 'embedded:teacher', or {ALLOWED_MODEL}")
             if embedded is None:
-                from opd_exp.world.prepare import prepare_embedded
+                from opd_exp.pairs.embedded.prepare import prepare_embedded
 
                 embedded = prepare_embedded(cfg.embedded, task_cfg, progress=progress)
             out.append(str(getattr(embedded, role)))

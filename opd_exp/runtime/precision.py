@@ -20,7 +20,7 @@ import importlib.util
 
 import torch
 
-from opd_exp.errors import ConfigError
+from opd_exp.runtime.errors import ConfigError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -1,0 +1,1 @@
+"""Entry points: ``opd-train`` (train.py), ``opd-prepare`` (prepare.py), ``opd-compare`` (compare.py)."""

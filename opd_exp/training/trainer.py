@@ -1,0 +1,429 @@
+"""The on-policy distillation loop.
+
+One step: draw prompts -> the student's rollout engine (or, with probability
+1 - on_policy_fraction, the teacher's) samples responses -> per micro-batch the teacher scorer
+and the student score the same positions -> objective -> backward (loss divided by the step's
+global response-token count) -> clip, guard, optimizer step -> metrics to the sinks -> eval /
+checkpoint.
+
+Engines are picked once, in ``__init__``, from config: a ``RolloutEngine`` for the student (HF
+``generate`` or vLLM) and one for the teacher, a ``TeacherScorer`` for the teacher's logits.
+The loop state is one ``TrainState`` saved in every checkpoint; a run started again in a
+folder with a checkpoint resumes from the newest one that loads. Each step re-seeds torch from
+(seed, step), so a resumed run samples the same tokens and ends bit-identical.
+
+Guards (docs/reliability.md): a step whose teacher logits, loss or gradient norm is not finite
+is skipped and counted (``guard/skipped_steps``); ``trainer.max_bad_steps`` in a row stop the
+run (``Diverged``) without a checkpoint. A step without response tokens is a counted no-op
+(``guard/empty_steps``). SIGTERM/SIGUSR1/SIGUSR2 save at the next step boundary and raise
+``Preempted``. One process per run folder (``RunLock``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import random
+import signal
+import sys
+import time
+import warnings
+from collections import defaultdict
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from opd_exp.config.schema import LoggerName, Schedule, TrainConfig
+from opd_exp.divergences import get_divergence
+from opd_exp.runtime import checkpoint
+from opd_exp.runtime import distributed as dist_util
+from opd_exp.runtime import precision as prec
+from opd_exp.runtime.errors import ConfigError
+from opd_exp.runtime.guards import Diverged, NonFinite, Preempted, PreemptionGuard, StepGuard, nonfinite_summary
+from opd_exp.sinks import JsonlSink, MultiSink, Progress, Sink
+from opd_exp.training.evaluate import Evaluator
+from opd_exp.training.objective import TOKEN_METRICS, Objective, metric_beta
+from opd_exp.training.rollout import HfRollout, RolloutEngine
+from opd_exp.training.scoring import InProcessTeacher, student_logits, token_logprobs
+from opd_exp.training.state import DataCursor, TrainState
+
+
+def require_extras(cfg: TrainConfig) -> None:
+    """Optional packages the config needs (peft for LoRA, vllm for its engine): one line each,
+    before any model loads."""
+    prec.require_peft(cfg.trainer)
+    if cfg.rollout.engine.value == "vllm":
+        from opd_exp.training.rollout_vllm import require_vllm
+
+        require_vllm()
+
+
+def build_student_engine(cfg: TrainConfig, student, tokenizer, vocab_size: int, *, autocast, synced_gpus: bool, warn) -> RolloutEngine:
+    """``rollout.engine``: ``hf`` samples the live module in-process; ``vllm`` a vLLM engine
+    that receives the student's weights after every update."""
+    if cfg.rollout.engine.value == "vllm":
+        from opd_exp.training.rollout_vllm import VllmRollout
+
+        return VllmRollout.from_config(cfg, student, tokenizer, vocab_size, warn=warn)
+    return HfRollout(student, tokenizer, cfg.rollout, vocab_size, source="student", autocast=autocast, synced_gpus=synced_gpus)
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, run_dir: Path, *, pair, task, sinks: list[Sink] | None = None):
+        self.cfg = cfg
+        tc, ro = cfg.trainer, cfg.rollout
+        if tc.num_threads:
+            torch.set_num_threads(tc.num_threads)
+        # torchrun ranks (trainer.parallel=ddp|fsdp; docs/scale.md): process group + this rank's device
+        self.dist, self.device = dist_util.setup(tc.parallel.value, tc.device)
+        self.run_dir = Path(dist_util.broadcast_object(str(run_dir), self.dist))  # rank 0's folder for all
+        if self.dist.row_keyed:
+            dist_util.shard(tc.batch_size * ro.n_samples, self.dist)  # rows split evenly, or one line now
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        require_extras(cfg)
+        torch.manual_seed(cfg.seed)
+        self.task, self.tokenizer, self.vocab_size = task, pair.tokenizer, int(pair.vocab_size)
+        self.train_problems = list(task.train_problems())
+        evals = list(task.eval_problems())
+        for split, problems in (("training", self.train_problems), ("eval", evals)):
+            if not problems:
+                raise ConfigError(f"task: {cfg.task.name!r} has no {split} problems (empty dataset or split); allowed: a task with at least one")
+        self.student = prec.prepare_student(pair.student, tc, self.device)  # dtype, grad ckpt, LoRA
+        teacher_device = prec.teacher_device(tc, self.device)
+        self.teacher = prec.prepare_teacher(pair.teacher, tc, teacher_device)  # frozen, no grad
+        self.student.train()
+        self.autocast = partial(prec.autocast, self.device, tc.precision.value)
+        self._progress: Progress | None = None
+        self._warned: set[str] = set()
+
+        # Engines, picked once: the loop below never asks which ones it has.
+        fsdp = self.dist.active and self.dist.parallel == "fsdp"
+        self.engine = build_student_engine(cfg, self.student, self.tokenizer, self.vocab_size,
+                                           autocast=self.autocast, synced_gpus=fsdp, warn=self.warn)
+        self.teacher_engine = HfRollout(self.teacher, self.tokenizer, ro, self.vocab_size, source="teacher", autocast=self.autocast)
+        self.eval_engines = {"student": HfRollout(self.student, self.tokenizer, ro, self.vocab_size, autocast=self.autocast),
+                             "teacher": self.teacher_engine}
+        self.row_keyed = self.dist.row_keyed or ro.engine.value == "vllm"  # per-row generators, not torch's RNG
+        self.teacher_scorer = InProcessTeacher(self.teacher, self.vocab_size, temperature=cfg.divergence.temperature,
+                                               device=teacher_device, autocast=self.autocast)
+        self.objective = Objective(cfg)
+        eval_problems = evals[: tc.eval_size] if tc.eval_size else evals
+        self.evaluator = Evaluator(
+            task, self.tokenizer, eval_problems, batch_size=tc.eval_batch_size, teacher=self.teacher_scorer,
+            divergences={"eval/jsd": get_divergence("jsd", beta=metric_beta(cfg)), "eval/kl_reverse": get_divergence("rkl"),
+                         "eval/kl_forward": get_divergence("fkl")},
+            student_logits=lambda b: self._student_logits(self.student, b), chunk_size=cfg.estimator.chunk_size,
+            on_prompts=self._count_truncated,
+        )
+
+        # The training forward goes through DDP / the FSDP2-sharded model; generate, eval and
+        # checkpoints use the plain module (fully_shard works in place: the same object).
+        self.train_module = dist_util.wrap_student(self.student, self.dist, self.device)
+        self.params = [p for p in self.student.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        self.state = TrainState(cursor=DataCursor(len(self.train_problems), cfg.seed), guard=StepGuard(tc.max_bad_steps))
+        self._extra_sinks = sinks
+
+    @property
+    def step(self) -> int:
+        return self.state.step
+
+    def warn(self, line: str) -> None:
+        """One line on stderr (through the progress bar while it is shown)."""
+        if self._progress is not None:
+            self._progress.write(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    def _warn_once(self, kind: str, text: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            self.warn(f"opd-train: warning: {text}")
+
+    def _count_truncated(self, prompts) -> int:
+        """How many rendered prompts exceed rollout.max_prompt_tokens (the rollout keeps their
+        last tokens); warned once per run, counted per step."""
+        cap = self.cfg.rollout.max_prompt_tokens
+        n = sum(len(self.tokenizer(p, add_special_tokens=False)["input_ids"]) > cap for p in prompts)
+        if n:
+            self._warn_once(
+                "truncated", f"{n} of {len(prompts)} prompts are longer than rollout.max_prompt_tokens={cap} and are cut "
+                f"from the left (the last {cap} tokens are kept); counted in rollout/truncated_prompts"
+            )
+        return n
+
+    def _lr_factor(self, step: int) -> float:
+        tc = self.cfg.trainer
+        if tc.warmup_steps and step < tc.warmup_steps:
+            return (step + 1) / tc.warmup_steps
+        frac = min(max(step - tc.warmup_steps, 0) / max(tc.max_steps - tc.warmup_steps, 1), 1.0)
+        if tc.schedule is Schedule.linear:
+            return 1.0 - frac
+        if tc.schedule is Schedule.cosine:
+            return 0.5 * (1.0 + math.cos(math.pi * frac))
+        return 1.0
+
+    def _student_logits(self, module, batch):
+        ro = self.cfg.rollout
+        with self.autocast():
+            return student_logits(module, batch, self.vocab_size, temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p)
+
+    # -- one step -------------------------------------------------------------
+    def _on_policy(self, step: int) -> bool:
+        """GKD's lambda: whether step ``step`` is sampled by the student (deterministic in seed, step)."""
+        frac = self.cfg.rollout.on_policy_fraction
+        return frac >= 1.0 or (frac > 0.0 and random.Random(self.cfg.seed * 7919 + step).random() < frac)
+
+    def sample(self, step: int):
+        """The step's prompts and responses (re-seeded from (seed, step): resume-exact).
+        Row-keyed sampling (several ranks, or an engine with per-request seeds) gives this
+        rank its rows of the global batch, each from a generator keyed by (seed, step, row)."""
+        cfg, n = self.cfg, self.cfg.rollout.n_samples
+        torch.manual_seed((cfg.seed * 1_000_003 + step + 1) % (2**63))
+        problems = [self.train_problems[i] for i in self.state.cursor.next(cfg.trainer.batch_size)]
+        prompts = [self.task.render_prompt(p, self.tokenizer) for p in problems]
+        self._n_truncated = self._count_truncated(prompts)
+        on_policy = self._on_policy(step)
+        engine = self.engine if on_policy else self.teacher_engine
+        if on_policy:
+            engine.sync(self.student, version=step)  # after every update: the engine samples this student
+        if not self.row_keyed:
+            return engine.generate(prompts, n_samples=n).to(self.device)
+        rows = range(len(prompts) * n)[dist_util.shard(len(prompts) * n, self.dist)]
+        batch = engine.generate([prompts[r // n] for r in rows], dist_util.row_seeds(cfg.seed, step, rows))
+        return dataclasses.replace(batch, prompt_index=torch.tensor([r // n for r in rows])).to(self.device)
+
+    def accumulate(self, batch, n_tokens: int | None = None) -> tuple[float, dict[str, float]]:
+        """Forward/backward over micro-batches; gradients equal those of the whole batch.
+
+        ``n_tokens``: the step's GLOBAL response-token count (all ranks; default: this batch's).
+        Under DDP/FSDP each rank's loss is scaled by the world size (they average gradients),
+        every rank runs the same number of micro-batches, and the teacher check is agreed on by
+        all ranks before any backward (a collective missed by one rank would hang the others)."""
+        ds = self.dist
+        n_tokens = batch.num_response_tokens if n_tokens is None else n_tokens  # every micro-batch divides by it
+        loss_total, sums = 0.0, defaultdict(float)
+        mbs = list(batch.micro_batches(self.cfg.trainer.micro_batch_size))
+        for i, mb in enumerate(mbs):
+            if mb.num_response_tokens == 0 and not ds.active:
+                continue
+            zt = self.teacher_scorer.logits(mb)
+            # Caught before the loss: a NaN teacher logit would turn the loss (and, through
+            # masked positions, the gradient) into NaN with no hint where it came from.
+            bad = nonfinite_summary(zt)
+            if dist_util.any_rank(bad is not None, ds):
+                where = f"{bad} teacher logits" if bad is not None else "on another rank"
+                raise NonFinite(f"teacher log-probs are not finite at step {self.step + 1} ({where})")
+            last = i == len(mbs) - 1
+            with dist_util.no_sync(self.train_module, ds, last=last):
+                zs = self._student_logits(self.train_module, mb)
+            out = self.objective(zs, zt, mb.response_ids, mb.response_mask, on_policy=batch.source == "student", normalizer=n_tokens)
+            if mb.sampling_logprobs is not None:  # an engine that reports its log-probs: how far from ours
+                from opd_exp.training.rollout_vllm import logprob_gap_sum
+
+                sums["rollout/engine_logprob_gap"] += logprob_gap_sum(
+                    mb.sampling_logprobs, token_logprobs(zs.detach(), mb.response_ids), mb.response_mask)
+            with dist_util.no_sync(self.train_module, ds, last=last):
+                (out.loss * ds.world_size if ds.active else out.loss).backward()
+            loss_total += float(out.loss.detach())
+            for k, v in out.sums.items():
+                sums[k] += v
+        return loss_total, sums
+
+    def _reduce(self, loss: float, sums: dict[str, float]) -> tuple[float, dict[str, float]]:
+        """Token-weighted over ranks: sums of per-token values, divided later by the global count."""
+        if not self.dist.active:
+            return loss, sums
+        loss, *vals = dist_util.all_reduce_sum([loss, *(sums.get(k, 0.0) for k in TOKEN_METRICS)], self.dist)
+        extra = sorted(set(sums) - set(TOKEN_METRICS))
+        return loss, {**dict(zip(TOKEN_METRICS, vals)), **dist_util.reduce_sums(sums, extra, self.dist)}
+
+    def train_step(self) -> dict[str, float]:
+        tc, guard = self.cfg.trainer, self.state.guard
+        t0 = time.perf_counter()
+        lr = self.optimizer.param_groups[0]["lr"]
+        batch = self.sample(self.step)
+        t_rollout = time.perf_counter() - t0
+        step, problem = self.step + 1, None
+        self.optimizer.zero_grad(set_to_none=True)
+        n_global, seq_global = (int(x) for x in dist_util.all_reduce_sum([batch.num_response_tokens, batch.num_sequences], self.dist))
+        if n_global == 0:  # nothing to learn from: a counted no-op, never a 0/0 NaN
+            loss, sums, grad_norm = 0.0, {}, 0.0
+            guard.record_empty()
+            self._warn_once("empty", f"step {step} has no response tokens: no update (counted in guard/empty_steps)")
+        else:
+            try:
+                loss, sums = self._reduce(*self.accumulate(batch, n_global))
+                max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+                grad_norm = dist_util.grad_norm_value(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+            except NonFinite as ex:
+                loss, sums, grad_norm, problem = float("nan"), {k: float("nan") for k in TOKEN_METRICS}, float("nan"), str(ex)
+            if problem is None and not (math.isfinite(loss) and math.isfinite(grad_norm)):
+                problem = f"loss={loss}, grad/norm={grad_norm}"
+        if problem is None and n_global:  # a non-finite loss or gradient never reaches the weights
+            self.optimizer.step()
+        guard.record(step, problem)
+        if problem is not None:
+            self.warn(f"opd-train: warning: step {step} skipped (no update): {problem}")
+        self.optimizer.zero_grad(set_to_none=True)
+        with warnings.catch_warnings():  # a skipped or empty first step: torch warns about the order
+            warnings.filterwarnings("ignore", message="Detected call of `lr_scheduler.step")
+            self.scheduler.step()
+        self.state.step += 1
+        dt = time.perf_counter() - t0
+        metrics = {k: v / max(n_global, 1) for k, v in sums.items()}
+        metrics.update({
+            "loss": loss, "response/length_mean": n_global / max(seq_global, 1), "grad/norm": grad_norm,
+            "grad/skipped": 0.0 if problem is None else 1.0, "guard/skipped_steps": float(guard.skipped_steps),
+            "guard/empty_steps": float(guard.empty_steps), "rollout/truncated_prompts": float(self._n_truncated), "lr": lr,
+            "rollout/on_policy": 1.0 if batch.source == "student" else 0.0, "perf/tokens_per_s": n_global / dt,
+            "perf/step_s": dt, "perf/rollout_s": t_rollout,
+        })
+        for k in TOKEN_METRICS:
+            metrics.setdefault(k, 0.0)
+        return metrics
+
+    # -- evaluation -----------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Greedy eval accuracy, and the exact divergences over the vocabulary at every
+        position of the student's greedy eval responses (same S and T as the objective)."""
+        was_training = self.student.training
+        self.student.eval()
+        try:
+            out = self.evaluator(self.eval_engines["student"], self.device)
+        finally:
+            self.student.train(was_training)
+        if self.state.teacher_accuracy is None:
+            self.state.teacher_accuracy = self.evaluator.accuracy(self.eval_engines["teacher"])
+            out["eval/teacher_accuracy"] = self.state.teacher_accuracy
+        return out
+
+    # -- checkpoints ----------------------------------------------------------
+    def save(self) -> Path:
+        """Rank 0 writes (FSDP2: every rank first gathers the full state); all ranks then agree."""
+        ds = self.dist
+        model, optimizer = self.student, self.optimizer
+        if ds.active and ds.parallel == "fsdp":  # collectives: every rank takes part
+            model = dist_util.Frozen(dist_util.FullModelView(self.student).state_dict())
+            optimizer = dist_util.Frozen(dist_util.FullOptimizerView(self.student, self.optimizer).state_dict())
+        path = checkpoint.checkpoint_root(self.run_dir) / f"step_{self.step:06d}"
+        if ds.is_main:
+            path = checkpoint.save(self.run_dir, self.step, model, optimizer, self.scheduler, self.state.state_dict(),
+                                   keep=self.cfg.trainer.keep_checkpoints)
+        dist_util.barrier(ds)
+        return path
+
+    def resume(self) -> bool:
+        """Load the newest checkpoint that loads (``checkpoint.restore``); False: a fresh run."""
+        model, optimizer = self.student, self.optimizer
+        if self.dist.active and self.dist.parallel == "fsdp":  # full state in, sharded in place
+            model, optimizer = dist_util.FullModelView(self.student), dist_util.FullOptimizerView(self.student, self.optimizer)
+        found = checkpoint.restore(self.run_dir, model, optimizer, self.scheduler, warn=self.warn)
+        if found is None:
+            return False
+        self.state.load_state_dict(*found)
+        return True
+
+    # -- the run --------------------------------------------------------------
+    def _sinks(self, resume_step: int | None) -> Sink:
+        if not self.dist.is_main:  # metrics.jsonl and W&B belong to rank 0
+            return MultiSink([])
+        sinks: list[Sink] = [JsonlSink(self.run_dir / "metrics.jsonl", resume_step=resume_step)]
+        extra = list(self._extra_sinks or [])
+        if self.cfg.logger.name is LoggerName.wandb and not any(getattr(s, "is_wandb", False) for s in extra):
+            from opd_exp.sinks.tracking import WandbSink
+
+            sinks.append(WandbSink.from_config(self.cfg, self.run_dir))  # opd-train passes one started early
+        return MultiSink(sinks + extra)
+
+    def run(self, stop_after: int | None = None) -> dict[str, Any]:
+        """Train to ``trainer.max_steps`` (resuming if the folder holds a checkpoint) and
+        return the summary. ``stop_after`` ends the session early after that many steps,
+        as an interruption would (tests use it)."""
+        lock = checkpoint.RunLock(self.run_dir) if self.dist.is_main else contextlib.nullcontext()  # rank 0 holds the folder
+        try:
+            with lock, PreemptionGuard() as preempt:
+                summary = self._run(preempt, stop_after)
+        finally:
+            if self.dist.active and stop_after is None:
+                dist_util.teardown()  # this process's one run is over (or failed)
+        if isinstance(summary, Preempted):
+            raise summary
+        if summary and self.dist.is_main:
+            print(self.summary_line(summary), flush=True)  # stdout: `opd-train | tail -1` is the result
+        return summary
+
+    def _run(self, preempt: PreemptionGuard, stop_after: int | None):
+        tc, state = self.cfg.trainer, self.state
+        resumed = self.resume()
+        sink = self._sinks(resume_step=self.step if resumed else None)
+        self._progress = progress = Progress(tc.max_steps, initial=self.step, enabled=tc.progress)
+        t_start = time.perf_counter() - state.elapsed_s
+        try:
+            if not resumed:
+                state.eval_before = state.eval_last = self.evaluate()
+                sink.log(state.eval_before, step=0)
+            done_now = 0
+            # A signal only sets a flag; it is acted on here, between steps, so a checkpoint is
+            # never taken of a half-done step.
+            while self.step < tc.max_steps and not self._stop_requested(preempt):
+                metrics = self.train_step()
+                last = self.step == tc.max_steps
+                if (tc.eval_every and self.step % tc.eval_every == 0) or last:
+                    state.eval_last = self.evaluate()
+                    metrics.update(state.eval_last)
+                if self.step % tc.log_every == 0 or last or "eval/accuracy" in metrics:
+                    sink.log(metrics, step=self.step)
+                progress.update(metrics)
+                state.elapsed_s = time.perf_counter() - t_start
+                if state.guard.should_stop:
+                    raise Diverged(state.guard.stop_message(self.step, checkpoint.latest(self.run_dir)))
+                # No periodic save inside a run of bad steps: keep the checkpoints from before it.
+                if (tc.save_every and self.step % tc.save_every == 0 and not state.guard.bad_in_a_row) or last:
+                    self.save()
+                done_now += 1
+                if stop_after is not None and done_now >= stop_after and not last:
+                    return {}
+            if self._stop_requested(preempt) and self.step < tc.max_steps:
+                stop = Preempted(preempt.signum or signal.SIGTERM, self.step, self.save())
+                stop.previous_handler = preempt.previous_handler()
+                return stop
+            summary = self.summary()
+            sink.summary(summary)
+        finally:
+            progress.close()
+            self._progress = None
+            sink.close()
+        return summary
+
+    def _stop_requested(self, preempt: PreemptionGuard) -> bool:
+        """A preemption signal seen by any rank stops every rank at the same step boundary."""
+        return dist_util.any_rank(preempt.requested, self.dist)
+
+    def summary(self) -> dict[str, Any]:
+        before, after = self.state.eval_before, self.state.eval_last
+        out: dict[str, Any] = {"steps": self.step, "elapsed_s": round(self.state.elapsed_s, 1)}
+        for key in ("eval/accuracy", "eval/kl_reverse", "eval/kl_forward", "eval/jsd"):
+            if key in before:
+                out[f"{key}_before"] = before[key]
+            if key in after:
+                out[key] = after[key]
+        if self.state.teacher_accuracy is not None:
+            out["eval/teacher_accuracy"] = self.state.teacher_accuracy
+        return out
+
+    def summary_line(self, s: dict[str, Any]) -> str:
+        def f(key):
+            v = s.get(key)
+            return "n/a" if v is None else f"{v:.3f}"
+
+        return (
+            f"opd-train: student eval accuracy {f('eval/accuracy_before')} -> {f('eval/accuracy')} "
+            f"(teacher {f('eval/teacher_accuracy')}); eval reverse KL {f('eval/kl_reverse_before')} -> "
+            f"{f('eval/kl_reverse')}; {s['steps']} steps in {s['elapsed_s']:.0f} s; run folder {self.run_dir}"
+        )

@@ -1,0 +1,98 @@
+"""A tiny character tokenizer, tiny random Qwen2 teacher and student saved to a folder and loaded
+back like hub models, a stand-in task, and a CPU-sized TrainConfig."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+CHARS = list("0123456789+-=;# ")
+
+
+@dataclass
+class Problem:
+    prompt: str
+    answer: str
+    solution: str
+
+
+class AddTask:
+    """'a+b=' -> 'c': small enough for random tiny models, with a real verifier."""
+
+    def __init__(self, n_train: int = 64, n_eval: int = 16, seed: int = 0):
+        rng = random.Random(seed)
+        pairs = [(a, b) for a in range(10) for b in range(10)]
+        rng.shuffle(pairs)
+        make = lambda a, b: Problem(f"{a}+{b}=", str(a + b), f"{a + b}")  # noqa: E731
+        self._train = [make(a, b) for a, b in (pairs * 2)[:n_train]]
+        self._eval = [make(a, b) for a, b in pairs[-n_eval:]]
+
+    def train_problems(self):
+        return self._train
+
+    def eval_problems(self):
+        return self._eval
+
+    def render_prompt(self, problem, tokenizer):
+        return problem.prompt
+
+    def verify(self, completion: str, answer: str) -> bool:
+        return completion.strip() == answer
+
+
+def build_tokenizer(folder: Path):
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    fast.save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def build_model(folder: Path, vocab_size: int, hidden: int, layers: int, seed: int):
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True,
+        eos_token_id=1, pad_token_id=0, bos_token_id=None,
+    )
+    model = AutoModelForCausalLM.from_config(cfg)
+    model.save_pretrained(folder)
+    return AutoModelForCausalLM.from_pretrained(folder)
+
+
+def small_config(**groups):
+    """A TrainConfig shrunk for CPU tests; ``groups`` maps a group name to a dict of fields."""
+    from opd_exp.config import schema as S
+    from opd_exp.config.world import ModelPairConfig, TaskConfig
+
+    enum_of = {
+        ("divergence", "name"): S.DivergenceName, ("estimator", "name"): S.EstimatorName,
+        ("loss", "name"): S.LossName, ("loss", "credit"): S.Credit, ("trainer", "schedule"): S.Schedule,
+        ("trainer", "precision"): S.Precision, ("logger", "name"): S.LoggerName,
+    }
+    base = {
+        "trainer": dict(max_steps=3, batch_size=4, lr=1e-2, warmup_steps=0, eval_every=0, eval_size=4,
+                        eval_batch_size=4, save_every=0, device="cpu", progress=False, schedule="constant"),
+        "rollout": dict(max_new_tokens=4, max_prompt_tokens=8),
+        "logger": dict(name="none"),
+    }
+    for g, fields in groups.items():
+        base.setdefault(g, {}).update(fields)
+    kwargs = {}
+    cls = {"divergence": S.DivergenceConfig, "estimator": S.EstimatorConfig, "loss": S.LossConfig,
+           "rollout": S.RolloutConfig, "trainer": S.TrainerConfig, "logger": S.LoggerConfig}
+    for g, fields in base.items():
+        conv = {k: (enum_of[(g, k)](v) if (g, k) in enum_of and isinstance(v, str) else v) for k, v in fields.items()}
+        kwargs[g] = cls[g](**conv)
+    return S.TrainConfig(model_pair=ModelPairConfig(), task=TaskConfig(), **kwargs)
