@@ -35,12 +35,12 @@ def _worker(impl: str, B: int, T: int, V: int, beta: float, seed: int) -> dict:
         from opd_exp.divergences import get_divergence
 
         jsd = get_divergence("jsd", beta=beta)
-        compute = lambda: jsd.full(student, teacher).sum()  # noqa: E731
+        compute = lambda: jsd.full(student, teacher).sum()
     else:
         os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
         from trl.experimental.gkd import GKDTrainer
 
-        compute = lambda: GKDTrainer.generalized_jsd_loss(student, teacher, beta=beta, reduction="sum")  # noqa: E731
+        compute = lambda: GKDTrainer.generalized_jsd_loss(student, teacher, beta=beta, reduction="sum")
     base = _rss_bytes()  # after imports and inputs: what remains is the computation's own
     start = time.perf_counter()
     loss = compute()
@@ -74,14 +74,28 @@ def main() -> None:
     runs: dict[str, list[dict]] = {i: [] for i in impls}
     for _ in range(args.repeats):
         for impl in impls:  # alternate, so drift on a shared machine hits both
-            cmd = [sys.executable, __file__, "--worker", impl, "--B", str(args.B), "--T", str(args.T),
-                   "--V", str(args.V), "--beta", str(args.beta)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--worker",
+                impl,
+                "--B",
+                str(args.B),
+                "--T",
+                str(args.T),
+                "--V",
+                str(args.V),
+                "--beta",
+                str(args.beta),
+            ]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
             runs[impl].append(json.loads(out.strip().splitlines()[-1]))
 
     med = {i: {k: statistics.median(r[k] for r in rs) for k in ("seconds", "extra_gib")} for i, rs in runs.items()}
-    print(f"full-vocab JSD(beta={args.beta}) forward+backward, B={args.B} T={args.T} V={args.V} fp32 CPU, "
-          f"torch threads={os.cpu_count()}, median of {args.repeats} fresh processes")
+    print(
+        f"full-vocab JSD(beta={args.beta}) forward+backward, B={args.B} T={args.T} V={args.V} fp32 CPU, "
+        f"torch threads={os.cpu_count()}, median of {args.repeats} fresh processes"
+    )
     print("| implementation | time (s) | extra peak memory (GiB) | loss | grad norm |")
     print("|---|---|---|---|---|")
     for impl, rs in runs.items():
@@ -90,8 +104,10 @@ def main() -> None:
         a, b = runs["opd-exp"][0], runs["trl"][0]
         rel = abs(a["loss"] - b["loss"]) / abs(b["loss"])
         relg = abs(a["grad_norm"] - b["grad_norm"]) / abs(b["grad_norm"])
-        print(f"time ratio opd-exp/trl = {med['opd-exp']['seconds'] / med['trl']['seconds']:.2f}; "
-              f"relative difference: loss {rel:.1e}, grad norm {relg:.1e}")
+        print(
+            f"time ratio opd-exp/trl = {med['opd-exp']['seconds'] / med['trl']['seconds']:.2f}; "
+            f"relative difference: loss {rel:.1e}, grad norm {relg:.1e}"
+        )
 
 
 if __name__ == "__main__":

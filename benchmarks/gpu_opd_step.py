@@ -37,17 +37,45 @@ from typing import Any
 import torch
 
 REAL = {  # Qwen2.5-1.5B-Instruct <- Qwen2.5-Math-7B-Instruct shapes (config.json of each)
-    "student": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                    num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
-    "teacher": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                    num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False),
+    "student": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
+    "teacher": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie_word_embeddings=False,
+    ),
     "tokenizer_vocab": 151936,
 }
 TINY = {  # the same layout shrunk for a CPU smoke run (padded teacher embedding rows kept)
-    "student": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                    num_key_value_heads=1, vocab_size=512, tie_word_embeddings=True),
-    "teacher": dict(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
-                    num_key_value_heads=1, vocab_size=520, tie_word_embeddings=False),
+    "student": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=512,
+        tie_word_embeddings=True,
+    ),
+    "teacher": dict(
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=520,
+        tie_word_embeddings=False,
+    ),
     "tokenizer_vocab": 512,
 }
 
@@ -114,16 +142,17 @@ def default_layout(args) -> tuple[Any, Any, str]:
     import tempfile
 
     from opd_exp.config.world import EmbeddedPairConfig, TaskConfig
-    from opd_exp.tasks import build_task
     from opd_exp.pairs.embedded.models import build_model
     from opd_exp.pairs.embedded.tokenizer import load_tokenizer, save_tokenizer
+    from opd_exp.tasks import build_task
 
     folder = tempfile.mkdtemp(prefix="opd-bench-tok-")
     save_tokenizer(folder)
     tok = load_tokenizer(folder)
     pc = EmbeddedPairConfig()
-    pair = SimpleNamespace(student=build_model(pc.student, tok, 1), teacher=build_model(pc.teacher, tok, 2),
-                           tokenizer=tok, vocab_size=len(tok))
+    pair = SimpleNamespace(
+        student=build_model(pc.student, tok, 1), teacher=build_model(pc.teacher, tok, 2), tokenizer=tok, vocab_size=len(tok)
+    )
     return pair, build_task(TaskConfig()), "default (embedded world shapes)"
 
 
@@ -133,17 +162,28 @@ def make_config(args, estimator: str):
 
     loss = "reinforce" if estimator == "sampled" else "direct"
     return S.TrainConfig(
-        model_pair=ModelPairConfig(), task=TaskConfig(),
+        model_pair=ModelPairConfig(),
+        task=TaskConfig(),
         divergence=S.DivergenceConfig(name=S.DivergenceName(args.divergence)),
         estimator=S.EstimatorConfig(name=S.EstimatorName(estimator)),
         loss=S.LossConfig(name=S.LossName(loss)),
         rollout=S.RolloutConfig(max_new_tokens=args.max_new_tokens, max_prompt_tokens=max(args.prompt_tokens, 8)),
         trainer=S.TrainerConfig(
-            max_steps=args.steps + 1, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size, lr=1e-5,
-            warmup_steps=0, schedule=S.Schedule.constant, eval_every=0, save_every=0, device=args.device,
-            precision=S.Precision(args.precision), param_dtype=S.ParamDtype(args.param_dtype),
-            teacher_dtype=S.ParamDtype(args.teacher_dtype), grad_checkpointing=args.grad_checkpointing,
-            num_threads=0 if args.device != "cpu" else 1, progress=False,
+            max_steps=args.steps + 1,
+            batch_size=args.batch_size,
+            micro_batch_size=args.micro_batch_size,
+            lr=1e-5,
+            warmup_steps=0,
+            schedule=S.Schedule.constant,
+            eval_every=0,
+            save_every=0,
+            device=args.device,
+            precision=S.Precision(args.precision),
+            param_dtype=S.ParamDtype(args.param_dtype),
+            teacher_dtype=S.ParamDtype(args.teacher_dtype),
+            grad_checkpointing=args.grad_checkpointing,
+            num_threads=0 if args.device != "cpu" else 1,
+            progress=False,
         ),
         logger=S.LoggerConfig(name=S.LoggerName.none),
     )
@@ -179,14 +219,24 @@ def bench(pair, task, layout: str, estimator: str, args) -> dict:
     step_s = statistics.median(s["step_s"] for s in steps)
     tokens = statistics.median(s["tokens"] for s in steps)
     return {
-        "layout": layout, "estimator": estimator, "batch_size": args.batch_size, "max_new_tokens": args.max_new_tokens,
-        "precision": args.precision, "param_dtype": args.param_dtype, "teacher_dtype": args.teacher_dtype,
-        "grad_checkpointing": args.grad_checkpointing, "device": args.device,
-        "tokens_per_step": tokens, "step_s": step_s, "tokens_per_s": tokens / step_s,
+        "layout": layout,
+        "estimator": estimator,
+        "batch_size": args.batch_size,
+        "max_new_tokens": args.max_new_tokens,
+        "precision": args.precision,
+        "param_dtype": args.param_dtype,
+        "teacher_dtype": args.teacher_dtype,
+        "grad_checkpointing": args.grad_checkpointing,
+        "device": args.device,
+        "tokens_per_step": tokens,
+        "step_s": step_s,
+        "tokens_per_s": tokens / step_s,
         "rollout_s": statistics.median(s["rollout_s"] for s in steps),
         "train_s": step_s - statistics.median(s["rollout_s"] for s in steps),
-        f"peak_{kind}_gib": mem, "finite": all(s["loss"] == s["loss"] for s in steps),
-        "torch": torch.__version__, "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+        f"peak_{kind}_gib": mem,
+        "finite": all(s["loss"] == s["loss"] for s in steps),
+        "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
     }
 
 
@@ -210,7 +260,12 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.tiny:
         args.device = args.device or "cpu"
-        args.batch_size, args.max_new_tokens, args.prompt_tokens, args.steps = min(args.batch_size, 2), min(args.max_new_tokens, 4), min(args.prompt_tokens, 6), min(args.steps, 1)
+        args.batch_size, args.max_new_tokens, args.prompt_tokens, args.steps = (
+            min(args.batch_size, 2),
+            min(args.max_new_tokens, 4),
+            min(args.prompt_tokens, 6),
+            min(args.steps, 1),
+        )
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     on_gpu = args.device.startswith("cuda")
     args.precision = args.precision or ("bf16" if on_gpu else "fp32")
@@ -235,8 +290,10 @@ def main(argv=None) -> int:
     print(f"\n| layout | estimator | tokens/step | tokens/s | step s (rollout s) | peak {'GPU' if on_gpu else 'RSS'} GiB |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['layout']} | {r['estimator']} | {r['tokens_per_step']:.0f} | {r['tokens_per_s']:.1f} | "
-              f"{r['step_s']:.2f} ({r['rollout_s']:.2f}) | {r[mem_key]:.2f} |")
+        print(
+            f"| {r['layout']} | {r['estimator']} | {r['tokens_per_step']:.0f} | {r['tokens_per_s']:.1f} | "
+            f"{r['step_s']:.2f} ({r['rollout_s']:.2f}) | {r[mem_key]:.2f} |"
+        )
     return 0 if all(r["finite"] for r in rows) else 1
 
 

@@ -27,13 +27,13 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     os.environ["OPD_EXP_CACHE"] = args.cache or tempfile.mkdtemp(prefix="opd-exp-cold-")
 
-    from opd_exp.tasks.arithmetic import ArithmeticTask
+    from opd_exp.cli.prepare import _parse_overrides
     from opd_exp.pairs.embedded import cache
     from opd_exp.pairs.embedded.models import load_model
-    from opd_exp.cli.prepare import _parse_overrides
     from opd_exp.pairs.embedded.prepare import prepare_embedded, torch_threads, world_task_config
-    from opd_exp.training.evaluate import evaluate_accuracy
     from opd_exp.pairs.embedded.tokenizer import load_tokenizer
+    from opd_exp.tasks.arithmetic import ArithmeticTask
+    from opd_exp.training.evaluate import evaluate_accuracy
 
     pair_cfg, task_cfg = _parse_overrides(args.overrides)
     cold = not any(p.name.startswith("embedded-") for p in cache.cache_root().glob("*")) if cache.cache_root().exists() else True

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -65,8 +67,7 @@ if not runs:
     folder = Path(MULTIRUN) if MULTIRUN else latest_multirun()
     if folder is None:
         raise FileNotFoundError(
-            "no multirun folder found: set OPD_MULTIRUN=<multirun/date/time> or run a sweep first, "
-            "e.g. `opd-train -m sweep=divergence`"
+            "no multirun folder found: set OPD_MULTIRUN=<multirun/date/time> or run a sweep first, e.g. `opd-train -m sweep=divergence`"
         )
     runs, source = load_runs(folder), str(folder)
 

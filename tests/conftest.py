@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers.reliability import make_local_pair
 from helpers.tiny import AddTask, build_model, build_tokenizer
 
 torch.set_num_threads(1)  # 2 shared cores: one per test process keeps runs predictable
@@ -49,3 +50,9 @@ def float64_default():
     torch.set_default_dtype(torch.float64)
     yield
     torch.set_default_dtype(previous)
+
+
+@pytest.fixture(scope="session")
+def local_pair_dir(tmp_path_factory) -> Path:
+    """A tiny pair saved as a `model_pair=local` folder (tokenizer in both model folders)."""
+    return make_local_pair(tmp_path_factory.mktemp("reliability_pair"))

@@ -4,8 +4,8 @@ import json
 import math
 
 import pytest
-from helpers.synthetic_runs import SEEDS, STEPS, write_multirun, write_run
 
+from helpers.synthetic_runs import SEEDS, STEPS, write_multirun, write_run
 from opd_exp.analysis import (
     AnalysisError,
     curve,
@@ -81,8 +81,7 @@ def test_curve_aligns_seeds_on_steps(tmp_path):
 
 
 def test_single_run_folder_and_seed_from_config(tmp_path):
-    run = write_run(tmp_path / "run", ["divergence=jsd", "divergence.beta=0.9"],
-                    [{"step": 1, "jsd/mean": 0.2, "perf/step_s": 0.5}], seed=7)
+    run = write_run(tmp_path / "run", ["divergence=jsd", "divergence.beta=0.9"], [{"step": 1, "jsd/mean": 0.2, "perf/step_s": 0.5}], seed=7)
     (runs,) = load_runs(run)
     assert runs.seed == 7  # not overridden: read from .hydra/config.yaml
     assert runs.variant == "divergence=jsd,divergence.beta=0.9"
@@ -124,8 +123,7 @@ def test_format_table_text_markdown_csv(tmp_path):
     text = format_table(rows)
     lines = text.splitlines()
     assert lines[0].split() == ["variant", "seeds", "eval/accuracy", "eval/jsd", "eval/kl_reverse", "steps/s"]
-    assert lines[2].split() == [RKL, "0,1,2", "0.51", "±", "0.01", "0.04", "±", "0.02", "0.11", "±", "0.01",
-                                "3.33", "±", "1.2"]
+    assert lines[2].split() == [RKL, "0,1,2", "0.51", "±", "0.01", "0.04", "±", "0.02", "0.11", "±", "0.01", "3.33", "±", "1.2"]
     md = format_table(rows, fmt="markdown").splitlines()
     assert md[0] == "| variant | seeds | eval/accuracy | eval/jsd | eval/kl_reverse | steps/s |"
     assert md[3] == f"| {JSD} | 0,1,2 | 0.61 ± 0.01 | 0.02 ± 0.01 | 0.11 ± 0.01 | 3.33 ± 1.2 |"
@@ -170,9 +168,11 @@ def test_load_wandb_reads_tags_config_and_history():
     class FakeApi:
         def runs(self, path, filters=None):
             assert path == "me/opd" and filters == {"group": "sweep1"}
-            return [FakeRun("a", ["divergence=rkl", "seed=0", "opd"], 0, [0.1, 0.5]),
-                    FakeRun("b", ["divergence=rkl"], 1, [0.2, 0.7]),
-                    FakeRun("c", ["divergence=fkl"], 0, [0.3, 0.4])]
+            return [
+                FakeRun("a", ["divergence=rkl", "seed=0", "opd"], 0, [0.1, 0.5]),
+                FakeRun("b", ["divergence=rkl"], 1, [0.2, 0.7]),
+                FakeRun("c", ["divergence=fkl"], 0, [0.3, 0.4]),
+            ]
 
     runs = load_wandb("opd", entity="me", group="sweep1", api=FakeApi())
     assert [r.variant for r in runs] == ["divergence=rkl", "divergence=rkl", "divergence=fkl"]

@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
 
 import opd_exp.training.rollout as rollout_mod
 import opd_exp.training.scoring as scoring_mod
+from helpers.reliability import BASE, one_error_line, pair_args, read_metrics, run_in_process
 from opd_exp.runtime import checkpoint
-from helpers.reliability import BASE, local_pair_dir, one_error_line, pair_args, read_metrics, run_in_process  # noqa: F401
 
 MINI = Path(__file__).resolve().parents[1] / "opd_exp" / "data" / "gsm8k_mini.jsonl"
 QUICK = ["trainer.max_steps=2"]
@@ -44,6 +44,7 @@ def case(name: str, code: int, needle: str):
     def register(fn):
         CASES[name] = (fn, code, needle)
         return fn
+
     return register
 
 
@@ -65,7 +66,11 @@ cfg("config/unknown_key_plus", ["+foo=1"], "foo: unknown key; allowed:")
 cfg("config/unknown_key_in_group", ["trainer.nope=1"], "trainer.nope")
 cfg("config/unknown_group_option", ["divergence=nope"], "divergence=nope: no such option; allowed: fkl, jsd, rkl, skl, srkl, tvd")
 cfg("config/wrong_type", ["trainer.lr=abc"], "trainer.lr")
-cfg("config/direct_with_sampled", ["loss=direct", "estimator=sampled"], "loss.name='direct' is not allowed; allowed: ppo or reinforce with estimator=sampled")
+cfg(
+    "config/direct_with_sampled",
+    ["loss=direct", "estimator=sampled"],
+    "loss.name='direct' is not allowed; allowed: ppo or reinforce with estimator=sampled",
+)
 cfg("config/ppo_with_full", ["loss=ppo", "estimator=full"], "estimator.name='full' is not allowed; allowed: sampled with loss=ppo")
 cfg("config/unknown_task", ["task.name=mmlu"], "task.name: got 'mmlu'; allowed: arithmetic | gsm8k")
 
@@ -73,14 +78,19 @@ cfg("config/unknown_task", ["task.name=mmlu"], "task.name: got 'mmlu'; allowed: 
 # -- data ---------------------------------------------------------------------------------
 case("data/empty_dataset", 2, "holds no problems (empty file)")(lambda ctx: ctx.gsm8k(""))
 case("data/non_utf8_line", 2, ":3 is not UTF-8 text (byte 0xff)")(
-    lambda ctx: ctx.gsm8k(b"".join(MINI.read_bytes().splitlines(keepends=True)[:2]) + b'{"question": "caf\xff?", "answer": "#### 1"}\n'))
+    lambda ctx: ctx.gsm8k(b"".join(MINI.read_bytes().splitlines(keepends=True)[:2]) + b'{"question": "caf\xff?", "answer": "#### 1"}\n')
+)
 case("data/invalid_json_line", 2, ":2 is not valid JSON; allowed: one JSON object per line")(
-    lambda ctx: ctx.gsm8k(MINI.read_text().splitlines()[0] + "\n{\"question\": \n"))
+    lambda ctx: ctx.gsm8k(MINI.read_text().splitlines()[0] + '\n{"question": \n')
+)
 case("data/answer_not_a_number", 2, "has a final answer that is not a number ('abc'); allowed: '#### <number>'")(
-    lambda ctx: ctx.gsm8k('{"question": "q?", "answer": "so #### abc"}\n'))
+    lambda ctx: ctx.gsm8k('{"question": "q?", "answer": "so #### abc"}\n')
+)
 case("data/answer_without_marker", 2, "row 0 is not a GSM8K row")(lambda ctx: ctx.gsm8k('{"question": "q?", "answer": "42"}\n'))
 case("data/row_not_an_object", 2, "row 0 is a JSON list, not an object")(lambda ctx: ctx.gsm8k("[1, 2]\n"))
-case("data/missing_file", 2, "does not exist")(lambda ctx: ctx.gsm8k("")[:-3] + ["task.path=/no/such/gsm8k.jsonl", "task.n_eval=2", "rollout.max_prompt_tokens=48"])
+case("data/missing_file", 2, "does not exist")(
+    lambda ctx: ctx.gsm8k("")[:-3] + ["task.path=/no/such/gsm8k.jsonl", "task.n_eval=2", "rollout.max_prompt_tokens=48"]
+)
 
 
 @case("data/blank_lines_are_skipped", 0, "")
@@ -96,25 +106,33 @@ def _long_prompts(ctx):
         rows = read_metrics(run)
         assert all(r["rollout/truncated_prompts"] == 2 for r in rows[1:])  # batch_size 2: both cut
         assert err.count("opd-train: warning:") == 1  # warned once, not every step
+
     ctx.checks.append(counted)
     return pair_args(ctx.pair) + BASE + QUICK + ["rollout.max_prompt_tokens=3"]
 
 
 # -- models: pre-flight, before weights load ------------------------------------------------
 case("model/missing_path", 2, "model_pair.student: local folder '/no/such/student' does not exist")(
-    lambda ctx: pair_args(ctx.pair, student="/no/such/student") + BASE + QUICK)
+    lambda ctx: pair_args(ctx.pair, student="/no/such/student") + BASE + QUICK
+)
 case("model/folder_without_config", 2, "has no config.json; allowed: a folder written by save_pretrained")(
-    lambda ctx: pair_args(ctx.pair, teacher=ctx.models["empty"]) + BASE + QUICK)
+    lambda ctx: pair_args(ctx.pair, teacher=ctx.models["empty"]) + BASE + QUICK
+)
 case("model/tokenizer_mismatch", 2, "maps text to different ids than the student's")(
-    lambda ctx: pair_args(ctx.pair, teacher=ctx.models["other_tokenizer"]) + BASE + QUICK)
+    lambda ctx: pair_args(ctx.pair, teacher=ctx.models["other_tokenizer"]) + BASE + QUICK
+)
 case("model/irreconcilable_vocab", 2, "has 64 embedding rows but the tokenizer has 259 tokens")(
-    lambda ctx: pair_args(ctx.pair, teacher=ctx.models["small_vocab"]) + BASE + QUICK)
+    lambda ctx: pair_args(ctx.pair, teacher=ctx.models["small_vocab"]) + BASE + QUICK
+)
 case("model/trust_remote_code_required", 2, "model_pair.trust_remote_code: got False, but model_pair.teacher=")(
-    lambda ctx: pair_args(ctx.pair, teacher=ctx.models["remote_code"]) + BASE + QUICK)
+    lambda ctx: pair_args(ctx.pair, teacher=ctx.models["remote_code"]) + BASE + QUICK
+)
 case("model/pickled_weights_only", 2, "cannot load safetensors weights from")(
-    lambda ctx: pair_args(ctx.pair, teacher=ctx.models["bin_only"]) + BASE + QUICK)
+    lambda ctx: pair_args(ctx.pair, teacher=ctx.models["bin_only"]) + BASE + QUICK
+)
 case("model/damaged_safetensors", 2, "the safetensors weights in")(
-    lambda ctx: pair_args(ctx.pair, teacher=ctx.models["damaged"]) + BASE + QUICK)
+    lambda ctx: pair_args(ctx.pair, teacher=ctx.models["damaged"]) + BASE + QUICK
+)
 
 
 # -- runtime: recoveries (exit 0) and the non-finite stop (exit 3) ---------------------------
@@ -142,6 +160,7 @@ def _eos_first(ctx):
         b.response_ids[:, 0] = 1  # <eos>: every response ends at once
         b.response_mask[:] = False
         b.response_mask[:, 0] = True
+
     _patch_rollout(ctx, edit)
     ctx.checks += [_finite_rows, lambda run, err: [r["response/length_mean"] for r in read_metrics(run)[1:]] == [1.0, 1.0]]
     return pair_args(ctx.pair) + BASE + QUICK
@@ -152,6 +171,7 @@ def _all_empty(ctx):
     def edit(b):  # only padding, never an EOS: decodes to "" everywhere
         b.response_ids[:] = 0
         b.response_mask[:] = True
+
     _patch_rollout(ctx, edit)
     ctx.checks.append(_finite_rows)
     return pair_args(ctx.pair) + BASE + QUICK
@@ -200,6 +220,7 @@ def _nan_teacher(ctx):
     def intact(run, err):
         assert [s for s, _ in checkpoint.list_checkpoints(run)] == [2]  # the last good one, untouched
         assert "last checkpoint intact: " in err and "step_000002" in err
+
     ctx.checks.append(intact)
     return pair_args(ctx.pair) + BASE + ["trainer.max_steps=6", "trainer.save_every=2", "trainer.max_bad_steps=2"]
 
@@ -215,6 +236,7 @@ def _failed_start(ctx):
     def unchanged(run_, err_):
         after = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file() and ".hydra" not in p.parts}
         assert after == before  # metrics.jsonl, summary.json and every checkpoint byte-identical
+
     ctx.checks.append(unchanged)
     return pair_args(ctx.pair, teacher="/no/such/teacher") + BASE + ["trainer.max_steps=4"]
 
@@ -233,7 +255,7 @@ def _in_use(ctx):
     run = ctx.tmp / "run"
     run.mkdir()
     (run / checkpoint.OWNER).write_text("4242\n")  # the owner's record
-    holder = open(run / checkpoint.LOCK, "w")
+    holder = open(run / checkpoint.LOCK, "w")  # noqa: SIM115 - held open until the check runs
     fcntl.flock(holder, fcntl.LOCK_EX | fcntl.LOCK_NB)
     ctx.checks.append(lambda run_, err: holder.close())
     return pair_args(ctx.pair) + BASE + QUICK

@@ -5,8 +5,8 @@ import subprocess
 import sys
 
 import pytest
-from helpers.synthetic_runs import write_multirun, write_run
 
+from helpers.synthetic_runs import write_multirun, write_run
 from opd_exp.cli.compare import main
 
 RKL = "divergence=rkl"
@@ -28,17 +28,14 @@ def test_prints_the_comparison_table(tmp_path, capsys):
     lines = out.splitlines()
     assert lines[0] == f"{folder}: 6 jobs, 2 variants; final values, mean ± std over seeds"
     assert lines[1].split() == ["variant", "seeds", "eval/accuracy", "eval/jsd", "eval/kl_reverse", "steps/s"]
-    assert lines[3].split() == [RKL, "0,1,2", "0.51", "±", "0.01", "0.04", "±", "0.02", "0.11", "±", "0.01",
-                                "3.33", "±", "1.2"]
-    assert lines[4].split() == [JSD, "0,1,2", "0.61", "±", "0.01", "0.02", "±", "0.01", "0.11", "±", "0.01",
-                                "3.33", "±", "1.2"]
+    assert lines[3].split() == [RKL, "0,1,2", "0.51", "±", "0.01", "0.04", "±", "0.02", "0.11", "±", "0.01", "3.33", "±", "1.2"]
+    assert lines[4].split() == [JSD, "0,1,2", "0.61", "±", "0.01", "0.02", "±", "0.01", "0.11", "±", "0.01", "3.33", "±", "1.2"]
     assert lines[5] == "teacher eval accuracy: 0.9"
     assert lines[6] == f"note: {folder / '6'}: job wrote no metrics.jsonl (failed or still starting); left out"
 
 
 def test_metric_option_and_markdown(tmp_path, capsys):
-    code, out, _ = compare(capsys, write_multirun(tmp_path), "--metric", "eval/kl_forward", "--metric", "jsd/mean",
-                           "--format", "markdown")
+    code, out, _ = compare(capsys, write_multirun(tmp_path), "--metric", "eval/kl_forward", "--metric", "jsd/mean", "--format", "markdown")
     assert code == 0
     lines = out.splitlines()
     assert lines[1] == "| variant | seeds | eval/kl_forward | jsd/mean | steps/s |"
@@ -69,9 +66,15 @@ def test_one_line_errors(tmp_path, capsys):
 # A tiny embedded recipe in a cache of its own: seconds to build, and no test waits on (or
 # writes into) the real embedded teacher in the user's cache.
 TINY_WORLD = [
-    *(f"model_pair.embedded.{who}.{k}={v}" for who in ("teacher", "student") for k, v in dict(
-        hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, sft_steps=2, batch_size=4).items()),
-    "model_pair.embedded.n_sft=64", "model_pair.embedded.n_check=4", "task.n_train=64", "task.n_eval=4",
+    *(
+        f"model_pair.embedded.{who}.{k}={v}"
+        for who in ("teacher", "student")
+        for k, v in dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, sft_steps=2, batch_size=4).items()
+    ),
+    "model_pair.embedded.n_sft=64",
+    "model_pair.embedded.n_check=4",
+    "task.n_train=64",
+    "task.n_eval=4",
 ]
 
 
@@ -81,14 +84,30 @@ def test_compare_on_a_real_tiny_multirun(tmp_path):
     sweep = tmp_path / "sweep"
     env = {**os.environ, "WANDB_MODE": "offline", "OPD_EXP_CACHE": str(tmp_path / "cache")}
     cmd = [
-        sys.executable, "-m", "opd_exp.cli.train", "-m", "divergence=rkl,jsd", "seed=0,1", "logger=none",
-        "trainer.max_steps=2", "trainer.batch_size=2", "trainer.eval_size=4", "trainer.eval_batch_size=4",
-        "trainer.progress=false", "rollout.max_new_tokens=8", *TINY_WORLD, f"hydra.sweep.dir={sweep}",
+        sys.executable,
+        "-m",
+        "opd_exp.cli.train",
+        "-m",
+        "divergence=rkl,jsd",
+        "seed=0,1",
+        "logger=none",
+        "trainer.max_steps=2",
+        "trainer.batch_size=2",
+        "trainer.eval_size=4",
+        "trainer.eval_batch_size=4",
+        "trainer.progress=false",
+        "rollout.max_new_tokens=8",
+        *TINY_WORLD,
+        f"hydra.sweep.dir={sweep}",
     ]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    done = subprocess.run([sys.executable, "-m", "opd_exp.cli.compare", str(sweep), "--plot", str(tmp_path / "c.png")],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "opd_exp.cli.compare", str(sweep), "--plot", str(tmp_path / "c.png")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
     assert lines[0] == f"{sweep}: 4 jobs, 2 variants; final values, mean ± std over seeds"

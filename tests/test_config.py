@@ -11,9 +11,9 @@ import pytest
 from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 
+from opd_exp.cli.train import to_train_config
 from opd_exp.config import TrainConfig, register_configs
 from opd_exp.runtime.errors import ConfigError
-from opd_exp.cli.train import to_train_config
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 GROUPS = ("divergence", "estimator", "loss", "rollout", "trainer", "logger")
@@ -92,7 +92,10 @@ def _cli(*args, tmp_path):
     env.pop("HYDRA_FULL_ERROR", None)
     return subprocess.run(
         [sys.executable, "-m", "opd_exp.cli.train", *args, f"hydra.run.dir={tmp_path}/run"],
-        capture_output=True, text=True, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
 
 

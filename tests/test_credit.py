@@ -8,8 +8,6 @@ import torch.nn.functional as F
 
 from opd_exp.divergences import get_divergence, masked_mean, sequence_returns
 
-
-
 # exact comparisons in float64 (fixture in conftest.py restores the default afterwards)
 pytestmark = pytest.mark.usefixtures("float64_default")
 
@@ -52,9 +50,9 @@ def expected_reinforce(d, zs, zt, gamma, segments=False):
     if segments:
         # the same sequences packed two per row with segment ids: must give identical returns
         N = len(seqs)
-        packed = lambda x: x.reshape(N // 2 + N % 2, -1) if N % 2 == 0 else None  # noqa: E731
+        packed = lambda x: x.reshape(N // 2 + N % 2, -1) if N % 2 == 0 else None
         assert N % 2 == 1  # 125 sequences: pad one row
-        pad = lambda x, v: torch.cat([x, torch.full((1, L), v, dtype=x.dtype)])  # noqa: E731
+        pad = lambda x, v: torch.cat([x, torch.full((1, L), v, dtype=x.dtype)])
         c2, v2, m2 = pad(cost, 0.0).reshape(-1, 2 * L), pad(value, 0.0).reshape(-1, 2 * L), pad(mask, False).reshape(-1, 2 * L)
         seg = torch.arange(N + 1).repeat_interleave(L).reshape(-1, 2 * L)
         R = sequence_returns(c2, v2, m2, gamma, segment_ids=seg).reshape(-1, L)[:N]

@@ -12,7 +12,6 @@ amplifies them for parameters whose gradients are near zero, hence an absolute t
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers.reliability import BASE, final_weights, pair_args, read_metrics, run_subprocess
 from opd_exp.runtime import distributed as D
 from opd_exp.runtime.errors import ConfigError
-from helpers.reliability import BASE, final_weights, local_pair_dir, pair_args, read_metrics, run_subprocess  # noqa: F401
 
 LOSS_RTOL, PARAM_ATOL = 1e-4, 5e-5
 
@@ -94,15 +93,33 @@ def test_row_keyed_sampler_draws_from_sampling_logits():
 
 # -- 2-process runs -----------------------------------------------------------
 STEPS = 4
-ARGS = BASE + [f"trainer.max_steps={STEPS}", "trainer.schedule=constant", "trainer.save_every=2", "trainer.keep_checkpoints=3",
-               "estimator=sampled", "loss=reinforce", "divergence=jsd", "rollout.n_samples=2", "trainer.micro_batch_size=1"]
+ARGS = BASE + [
+    f"trainer.max_steps={STEPS}",
+    "trainer.schedule=constant",
+    "trainer.save_every=2",
+    "trainer.keep_checkpoints=3",
+    "estimator=sampled",
+    "loss=reinforce",
+    "divergence=jsd",
+    "rollout.n_samples=2",
+    "trainer.micro_batch_size=1",
+]
 
 
 def torchrun(args: list[str], run_dir: Path, nproc: int = 2, timeout: float = 300) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.pop("HYDRA_FULL_ERROR", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "opd_exp.cli.train", *args, f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "opd_exp.cli.train",
+        *args,
+        f"hydra.run.dir={run_dir}",
+    ]
     return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
 
 
@@ -169,7 +186,9 @@ def test_resume_across_world_sizes(reference, local_pair_dir, tmp_path):
 
 @pytest.mark.slow
 def test_batch_that_does_not_split_fails_at_start_up(local_pair_dir, tmp_path):
-    res = torchrun(pair_args(local_pair_dir) + ARGS + ["trainer.parallel=ddp", "trainer.batch_size=1", "rollout.n_samples=1"], tmp_path / "run")
+    res = torchrun(
+        pair_args(local_pair_dir) + ARGS + ["trainer.parallel=ddp", "trainer.batch_size=1", "rollout.n_samples=1"], tmp_path / "run"
+    )
     assert res.returncode != 0  # each rank exits 2; torchrun reports 1
     assert "opd-train: error: trainer.batch_size x rollout.n_samples = 1 rows cannot be split evenly over 2 ranks" in res.stderr
     assert "[rank0]" not in res.stderr and "[rank1]" not in res.stderr  # no rank tracebacks (torchrun adds its own report)
@@ -190,9 +209,23 @@ def test_preempted_two_process_run_resumes(local_pair_dir, tmp_path):
     run_dir = tmp_path / "run"
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.pop("HYDRA_FULL_ERROR", None)
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             "-m", "opd_exp.cli.train", *args, f"hydra.run.dir={run_dir}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            "-m",
+            "opd_exp.cli.train",
+            *args,
+            f"hydra.run.dir={run_dir}",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:
         rows = (run_dir / "metrics.jsonl").read_text().count("\n") if (run_dir / "metrics.jsonl").exists() else 0

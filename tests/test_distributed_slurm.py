@@ -55,13 +55,22 @@ def test_submitit_multitask_env_becomes_torch_env(monkeypatch):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(k, "x")  # recorded, so what the export sets is removed afterwards
         monkeypatch.delenv(k)
-    env = {"SUBMITIT_EXECUTOR": "slurm", "SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_LOCALID": "0",
-           "SLURM_JOB_ID": "123", "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_NNODES": "2", "SLURM_NODEID": "1",
-           "SLURM_STEP_NODELIST": "node[1-2]", "SLURM_NTASKS_PER_NODE": "2"}
+    env = {
+        "SUBMITIT_EXECUTOR": "slurm",
+        "SLURM_NTASKS": "4",
+        "SLURM_PROCID": "2",
+        "SLURM_LOCALID": "0",
+        "SLURM_JOB_ID": "123",
+        "SLURM_JOB_NODELIST": "node[1-2]",
+        "SLURM_NNODES": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_STEP_NODELIST": "node[1-2]",
+        "SLURM_NTASKS_PER_NODE": "2",
+    }
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     try:
         got = D.torchrun_env()
-    except Exception as ex:  # noqa: BLE001 - submitit versions differ in what they need
+    except Exception as ex:
         pytest.skip(f"submitit's TorchDistributedEnvironment needs more of SLURM here: {ex}")
     assert got == {"RANK": 2, "WORLD_SIZE": 4, "LOCAL_RANK": 0}

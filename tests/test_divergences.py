@@ -12,8 +12,6 @@ import torch.nn.functional as F
 
 from opd_exp.divergences import DIVERGENCES, get_divergence, masked_mean, topk_estimate
 
-
-
 # exact comparisons in float64 (fixture in conftest.py restores the default afterwards)
 pytestmark = pytest.mark.usefixtures("float64_default")
 

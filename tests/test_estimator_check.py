@@ -85,7 +85,7 @@ def test_variance_table_unbiased_values_and_known_variances():
     rows = variance_table()
     assert len(rows) == 2 * len(VALUE_ESTIMATORS)
     by = {(r["estimator"], r["regime"]): r for r in rows}
-    for (label, regime), r in by.items():
+    for (label, _regime), r in by.items():
         assert r["D"] > 0 and r["std"] > 0
         if "shipped" in label:
             assert r["bias"] < -r["D"]  # its expectation is <= 0: below D by more than D

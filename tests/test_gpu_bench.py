@@ -8,8 +8,6 @@ import json
 import sys
 from pathlib import Path
 
-import pytest
-
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks" / "gpu_opd_step.py"
 
 
@@ -24,12 +22,14 @@ def _load():
 def test_real_layout_shapes_are_the_qwen_pair():
     mod = _load()
     s, t = mod.REAL["student"], mod.REAL["teacher"]
+
     # parameter counts of the shapes: ~1.5B student, ~7.6B teacher (Qwen2.5 config.json values)
     def params(c):
         h, i, L, V = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"], c["vocab_size"]
         kv = h // c["num_attention_heads"] * c["num_key_value_heads"]
         layer = h * h * 2 + 2 * h * kv + 3 * h * i
         return L * layer + V * h * (1 if c["tie_word_embeddings"] else 2)
+
     assert 1.2e9 < params(s) < 1.7e9 and 6.5e9 < params(t) < 8e9
 
 
@@ -40,7 +40,11 @@ def test_tiny_smoke_run(tmp_path, capsys):
     assert code == 0
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["layout"].split()[0], r["estimator"]) for r in rows] == [
-        ("default", "sampled"), ("default", "full"), ("real-tiny", "sampled"), ("real-tiny", "full")]
+        ("default", "sampled"),
+        ("default", "full"),
+        ("real-tiny", "sampled"),
+        ("real-tiny", "full"),
+    ]
     for r in rows:
         assert r["finite"] and r["tokens_per_s"] > 0 and r["peak_cpu_rss_gib"] > 0 and r["device"] == "cpu"
         assert 0 < r["rollout_s"] < r["step_s"]

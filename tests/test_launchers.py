@@ -22,8 +22,15 @@ def test_launcher_config_composes(name):
     module, cls, expected = LAUNCHERS[name]
     pytest.importorskip(module)
     with initialize_config_dir(config_dir=T.CONF_DIR, version_base="1.3"):
-        cfg = compose("train", overrides=[f"hydra/launcher={name}", "sweep=divergence", "hydra.launcher.n_jobs=4"
-                                          if name == "local" else "hydra.launcher.partition=gpu"], return_hydra_config=True)
+        cfg = compose(
+            "train",
+            overrides=[
+                f"hydra/launcher={name}",
+                "sweep=divergence",
+                "hydra.launcher.n_jobs=4" if name == "local" else "hydra.launcher.partition=gpu",
+            ],
+            return_hydra_config=True,
+        )
     launcher = cfg.hydra.launcher
     assert launcher._target_.rsplit(".", 1)[1] == cls
     mod, _, attr = launcher._target_.rpartition(".")

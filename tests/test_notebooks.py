@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from helpers.synthetic_runs import write_multirun
 
 nbformat = pytest.importorskip("nbformat")
@@ -48,10 +49,15 @@ def execute(name, cwd: Path, monkeypatch, timeout: float = 120):
     kernel_dir = cwd / "jupyter"
     spec = kernel_dir / "kernels" / "python3"
     spec.mkdir(parents=True, exist_ok=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "Python 3 (tests)", "language": "python",
-    }))
+    (spec / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "Python 3 (tests)",
+                "language": "python",
+            }
+        )
+    )
     monkeypatch.setenv("JUPYTER_PATH", str(kernel_dir))
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")  # images into the outputs
     nb = nbformat.read(NOTEBOOKS / f"{name}.ipynb", as_version=4)

@@ -109,7 +109,11 @@ def test_metrics_are_unbiased_estimates_under_student_samples():
         sums = obj(zs, zt, torch.tensor([[y]]), torch.ones(1, 1, dtype=torch.bool), on_policy=True, normalizer=1).sums
         for k, v in sums.items():
             mean[k] = mean.get(k, 0.0) + float(probs[y]) * v
-    for key, d in (("jsd/mean", get_divergence("jsd", beta=0.5)), ("kl/reverse", get_divergence("rkl")), ("kl/forward", get_divergence("fkl"))):
+    for key, d in (
+        ("jsd/mean", get_divergence("jsd", beta=0.5)),
+        ("kl/reverse", get_divergence("rkl")),
+        ("kl/forward", get_divergence("fkl")),
+    ):
         assert mean[key] == pytest.approx(float(d.full(zs, zt)), rel=1e-4)
     assert mean["jsd/mean"] > 0
 

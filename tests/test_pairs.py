@@ -12,16 +12,17 @@ import pytest
 import torch
 
 from opd_exp.config.world import EmbeddedModelConfig, ModelPairConfig
-from opd_exp.runtime.errors import ConfigError
 from opd_exp.pairs import load_pair, preflight, resolve_pair
 from opd_exp.pairs.embedded.models import build_model, save_model
 from opd_exp.pairs.embedded.tokenizer import SPECIAL_TOKENS, build_tokenizer
+from opd_exp.runtime.errors import ConfigError
 
 
 def _save(folder: Path, hidden: int, rows: int | None = None, tokenizer=None) -> Path:
     tok = tokenizer or build_tokenizer()
-    model = build_model(EmbeddedModelConfig(hidden_size=hidden, num_layers=1, num_heads=2, num_kv_heads=1,
-                                            intermediate_size=2 * hidden), tok, seed=hidden)
+    model = build_model(
+        EmbeddedModelConfig(hidden_size=hidden, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=2 * hidden), tok, seed=hidden
+    )
     if rows is not None:
         model.resize_token_embeddings(rows)
     return save_model(model, tok, folder)
@@ -91,7 +92,10 @@ def test_folder_without_config(pair_dir, tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(ConfigError) as err:
         preflight(_cfg(pair_dir[0], tmp_path / "empty"))
-    assert _one_line(err) == f"model_pair.teacher: folder '{tmp_path / 'empty'}' has no config.json; allowed: a folder written by save_pretrained"
+    assert (
+        _one_line(err)
+        == f"model_pair.teacher: folder '{tmp_path / 'empty'}' has no config.json; allowed: a folder written by save_pretrained"
+    )
 
 
 def test_unreachable_hub_id(pair_dir, monkeypatch):
@@ -147,7 +151,9 @@ def test_trust_remote_code_needed_but_not_allowed(pair_dir, tmp_path):
     )
     unknown = Path(shutil.copytree(pair_dir[0], tmp_path / "unknown"))
     _edit_config(unknown, model_type="my_new_arch")
-    with pytest.raises(ConfigError, match=r"^model_pair\.trust_remote_code: got False, but model_pair\.student=.*model_type 'my_new_arch' is unknown"):
+    with pytest.raises(
+        ConfigError, match=r"^model_pair\.trust_remote_code: got False, but model_pair\.student=.*model_type 'my_new_arch' is unknown"
+    ):
         preflight(_cfg(unknown, pair_dir[1]))
 
 
@@ -179,7 +185,7 @@ def test_group_files_compose_into_the_schema():
     from opd_exp.config.world import as_pair_config, as_task_config
 
     conf = os.path.join(os.path.dirname(__file__), "..", "conf")
-    load = lambda group, name: OmegaConf.load(os.path.join(conf, group, f"{name}.yaml"))  # noqa: E731
+    load = lambda group, name: OmegaConf.load(os.path.join(conf, group, f"{name}.yaml"))
     seeds = as_pair_config(load("model_pair", "qwen2.5_1.5b_math7b"))
     assert (seeds.student, seeds.teacher, seeds.dtype) == ("Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-Math-7B-Instruct", "bfloat16")
     assert as_pair_config(load("model_pair", "qwen3")).teacher == "Qwen/Qwen3-8B"
@@ -196,8 +202,11 @@ def test_embedded_pair_loads_through_the_same_path(tmp_path, monkeypatch):
 
     monkeypatch.setenv("OPD_EXP_CACHE", str(tmp_path))
     tiny = dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, sft_steps=3, batch_size=4)
-    cfg = ModelPairConfig(embedded=EmbeddedPairConfig(teacher=EmbeddedModelConfig(**tiny), student=EmbeddedModelConfig(**tiny),
-                                                      n_sft=16, n_check=4, threads=1))
+    cfg = ModelPairConfig(
+        embedded=EmbeddedPairConfig(
+            teacher=EmbeddedModelConfig(**tiny), student=EmbeddedModelConfig(**tiny), n_sft=16, n_check=4, threads=1
+        )
+    )
     task = TaskConfig(n_train=5, n_eval=10)
     student_path, teacher_path = resolve_pair(cfg, task, progress=False)
     assert Path(student_path).parent == tmp_path and Path(teacher_path).name.startswith("embedded-teacher-")

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from helpers.tiny import small_config
-from opd_exp.runtime import precision as P
 from opd_exp.config import schema as S
+from opd_exp.runtime import precision as P
 from opd_exp.runtime.errors import ConfigError
 
 HAS_PEFT = importlib.util.find_spec("peft") is not None
@@ -30,12 +30,13 @@ def test_grad_checkpointing_gives_the_same_gradients(tiny_pair):
     from opd_exp.training.rollout import generate
 
     torch.manual_seed(0)
-    batch = generate(tiny_pair.student, tiny_pair.tokenizer, ["1+2=", "33+4="], max_new_tokens=5, max_prompt_tokens=8,
-                     vocab_size=tiny_pair.vocab_size)
+    batch = generate(
+        tiny_pair.student, tiny_pair.tokenizer, ["1+2=", "33+4="], max_new_tokens=5, max_prompt_tokens=8, vocab_size=tiny_pair.vocab_size
+    )
     model = tiny_pair.student.train()
     plain = _grads(model, batch, tiny_pair.vocab_size)
     P.enable_grad_checkpointing(model)
-    assert getattr(model, 'is_activation_checkpointing', None) or model.is_gradient_checkpointing
+    assert getattr(model, "is_activation_checkpointing", None) or model.is_gradient_checkpointing
     ckpt = _grads(model, batch, tiny_pair.vocab_size)
     assert plain.keys() == ckpt.keys() and len(plain) > 5
     for k in plain:
@@ -54,8 +55,14 @@ def _train(tiny_pair, add_task, tmp_path, steps=2, **trainer):
 @pytest.mark.parametrize("param_dtype,precision", [("fp32", "bf16"), ("bf16", "bf16"), ("bf16", "fp32")])
 def test_bf16_settings_train_and_stay_finite(tiny_pair, add_task, tmp_path, param_dtype, precision):
     before = {n: p.detach().float().clone() for n, p in tiny_pair.student.named_parameters()}
-    t, out = _train(tiny_pair, add_task, tmp_path, param_dtype=S.ParamDtype(param_dtype), precision=S.Precision(precision),
-                    teacher_dtype=S.ParamDtype("bf16"))
+    t, out = _train(
+        tiny_pair,
+        add_task,
+        tmp_path,
+        param_dtype=S.ParamDtype(param_dtype),
+        precision=S.Precision(precision),
+        teacher_dtype=S.ParamDtype("bf16"),
+    )
     want = torch.bfloat16 if param_dtype == "bf16" else torch.float32
     assert {p.dtype for p in t.student.parameters()} == {want}  # fp32: master weights stay fp32
     assert {p.dtype for p in t.teacher.parameters()} == {torch.bfloat16}

@@ -10,15 +10,15 @@ import math
 import pytest
 import torch
 
+import opd_exp.training.rollout as rollout_mod
+import opd_exp.training.scoring as scoring_mod
+from helpers.reliability import read_metrics
 from helpers.tiny import AddTask, small_config
 from opd_exp.runtime import checkpoint
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.runtime.guards import Diverged
 from opd_exp.sinks import JsonlSink
 from opd_exp.training.trainer import Trainer
-import opd_exp.training.rollout as rollout_mod
-import opd_exp.training.scoring as scoring_mod
-from helpers.reliability import local_pair_dir, read_metrics  # noqa: F401
 
 
 def _params(model):
@@ -92,7 +92,9 @@ def test_nan_teacher_is_caught_before_the_loss_and_stops_the_run(tiny_pair, tmp_
         t.run()
     assert all(seen)  # the objective never saw a NaN teacher logit
     msg = str(err.value)
-    assert "\n" not in msg and msg.startswith("3 non-finite steps in a row (steps 4-6; last: teacher log-probs are not finite at step 6 (1 NaN of ")
+    assert "\n" not in msg and msg.startswith(
+        "3 non-finite steps in a row (steps 4-6; last: teacher log-probs are not finite at step 6 (1 NaN of "
+    )
     assert "last checkpoint intact: " in msg and msg.rstrip().endswith("trainer.max_bad_steps=3")
     assert any(ln.startswith("opd-train: warning: step 4 skipped (no update): teacher log-probs are not finite at step 4") for ln in lines)
     # the last good checkpoint (step 2; step 4's periodic save fell inside the bad run) is intact and loads
@@ -174,7 +176,7 @@ def test_no_loadable_checkpoint_is_one_line_and_keeps_the_metrics(tiny_pair, tmp
     state = checkpoint.latest(tmp_path) / "state.json"
     state.write_text("{" + "x" * (state.stat().st_size - 1))  # same size: only loading finds out
     metrics = (tmp_path / "metrics.jsonl").read_bytes()
-    for attempt in range(2):  # first: the load fails (set aside as .bad); then: only a .bad is left
+    for _attempt in range(2):  # first: the load fails (set aside as .bad); then: only a .bad is left
         t = Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask())
         t.warn = lambda line: None
         with pytest.raises(ConfigError) as err:

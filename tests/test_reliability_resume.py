@@ -12,14 +12,22 @@ import time
 import pytest
 import torch
 
+from helpers.reliability import BASE, comparable, final_weights, pair_args, popen, read_metrics, run_subprocess
 from opd_exp.runtime.guards import EXIT_PREEMPTED
-from helpers.reliability import (BASE, comparable, final_weights, local_pair_dir, pair_args, popen,  # noqa: F401
-                              read_metrics, run_subprocess)
 
 STEPS = 80
-ARGS = BASE + [f"trainer.max_steps={STEPS}", "trainer.save_every=7", "trainer.eval_every=40", "trainer.keep_checkpoints=2",
-               "trainer.schedule=cosine", "trainer.warmup_steps=5", "rollout.on_policy_fraction=0.8",
-               "estimator=sampled", "loss=reinforce", "divergence=jsd"]
+ARGS = BASE + [
+    f"trainer.max_steps={STEPS}",
+    "trainer.save_every=7",
+    "trainer.eval_every=40",
+    "trainer.keep_checkpoints=2",
+    "trainer.schedule=cosine",
+    "trainer.warmup_steps=5",
+    "rollout.on_policy_fraction=0.8",
+    "estimator=sampled",
+    "loss=reinforce",
+    "divergence=jsd",
+]
 
 
 def _logged_steps(run_dir) -> int:

@@ -10,13 +10,12 @@ import pickle
 from pathlib import Path
 
 import pytest
-import torch
 
+from helpers.reliability import BASE, pair_args, run_in_process
 from helpers.tiny import AddTask, small_config
 from opd_exp.runtime import checkpoint
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.trainer import Trainer
-from helpers.reliability import BASE, local_pair_dir, pair_args, run_in_process  # noqa: F401
 
 PACKAGE = Path(__file__).resolve().parents[1] / "opd_exp"
 FAKE_WANDB_KEY = "0123456789abcdef0123456789abcdef01234567"
@@ -74,8 +73,9 @@ def test_trust_remote_code_reaches_transformers_only_as_configured(local_pair_di
         monkeypatch.setattr(cls, "from_pretrained", classmethod(spy))
     for trust in (False, True):
         seen.clear()
-        load_pair(ModelPairConfig(student=str(local_pair_dir / "student"), teacher=str(local_pair_dir / "teacher"),
-                                  trust_remote_code=trust))
+        load_pair(
+            ModelPairConfig(student=str(local_pair_dir / "student"), teacher=str(local_pair_dir / "teacher"), trust_remote_code=trust)
+        )
         assert seen and all(t is trust for _, t, _ in seen), seen
         assert all(s is True for name, _, s in seen if "Model" in name)
 
@@ -98,8 +98,10 @@ def test_a_tampered_optimizer_file_is_refused_not_executed(tiny_pair, tmp_path):
     with open(ckpt / "optimizer.pt", "wb") as f:
         pickle.dump({"optimizer": _Payload(marker)}, f, protocol=2)
     manifest = json.loads((ckpt / checkpoint.MANIFEST).read_text())  # an attacker fixes size and hash too
-    manifest["files"]["optimizer.pt"] = {"size": (ckpt / "optimizer.pt").stat().st_size,
-                                         "sha256": hashlib.sha256((ckpt / "optimizer.pt").read_bytes()).hexdigest()}
+    manifest["files"]["optimizer.pt"] = {
+        "size": (ckpt / "optimizer.pt").stat().st_size,
+        "sha256": hashlib.sha256((ckpt / "optimizer.pt").read_bytes()).hexdigest(),
+    }
     (ckpt / checkpoint.MANIFEST).write_text(json.dumps(manifest))
     t = Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask())
     lines = []
@@ -124,11 +126,16 @@ def test_no_credentials_in_the_run_folder(local_pair_dir, tmp_path, monkeypatch,
     monkeypatch.setenv("HF_TOKEN", FAKE_HF_TOKEN)
     run = tmp_path / "run"
     # A key pasted as an override: refused (unknown key), but Hydra has already written .hydra/.
-    code, _, err = run_in_process(pair_args(local_pair_dir) + BASE + ["trainer.max_steps=1", "+logger.api_key=pasted-key-4242"],
-                                  run, monkeypatch, capsys)
+    code, _, err = run_in_process(
+        pair_args(local_pair_dir) + BASE + ["trainer.max_steps=1", "+logger.api_key=pasted-key-4242"], run, monkeypatch, capsys
+    )
     assert code == 2 and "logger.api_key: unknown key" in err
-    code, _, err = run_in_process(pair_args(local_pair_dir) + BASE + ["trainer.max_steps=2", "trainer.save_every=1",
-                                  f"name=run-{FAKE_HF_TOKEN}"], run, monkeypatch, capsys)
+    code, _, err = run_in_process(
+        pair_args(local_pair_dir) + BASE + ["trainer.max_steps=2", "trainer.save_every=1", f"name=run-{FAKE_HF_TOKEN}"],
+        run,
+        monkeypatch,
+        capsys,
+    )
     assert code == 0, err
     assert (run / ".hydra" / "config.yaml").is_file() and list(run.glob("checkpoints/step_*/state.json"))
     assert _files_containing(run, [FAKE_WANDB_KEY, FAKE_HF_TOKEN, "pasted-key-4242"]) == []

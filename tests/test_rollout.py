@@ -48,8 +48,16 @@ def test_sampling_logprobs_are_those_of_the_sampled_distribution(tiny_pair, temp
     torch.manual_seed(0)
     model, tok, V = tiny_pair.student, tiny_pair.tokenizer, tiny_pair.vocab_size
     batch, scores = generate(
-        model, tok, ["1+2=", "34+5=", "7="], n_samples=2, max_new_tokens=6,
-        temperature=temperature, top_k=top_k, top_p=top_p, vocab_size=V, return_scores=True,
+        model,
+        tok,
+        ["1+2=", "34+5=", "7="],
+        n_samples=2,
+        max_new_tokens=6,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        vocab_size=V,
+        return_scores=True,
     )
     with torch.no_grad():
         ours = student_logits(model, batch, V, temperature=temperature, top_k=top_k, top_p=top_p)

@@ -26,11 +26,15 @@ def compose_job(overrides, job_num=0):
     with open_dict(cfg):
         cfg.hydra.job.num = job_num
     h = cfg.hydra  # the parts a sweep sets, resolved while the job's keys (seed, ...) exist
-    hydra_cfg = OmegaConf.create({
-        "mode": str(h.mode), "sweep": {"dir": h.sweep.dir, "subdir": h.sweep.subdir},
-        "sweeper": {"params": OmegaConf.to_container(h.sweeper.params) if h.sweeper.get("params") else {}},
-        "launcher": OmegaConf.to_container(h.launcher), "choices": OmegaConf.to_container(h.runtime.choices),
-    })
+    hydra_cfg = OmegaConf.create(
+        {
+            "mode": str(h.mode),
+            "sweep": {"dir": h.sweep.dir, "subdir": h.sweep.subdir},
+            "sweeper": {"params": OmegaConf.to_container(h.sweeper.params) if h.sweeper.get("params") else {}},
+            "launcher": OmegaConf.to_container(h.launcher),
+            "choices": OmegaConf.to_container(h.runtime.choices),
+        }
+    )
     with open_dict(cfg):
         del cfg["hydra"]
     return hydra_cfg, T.to_train_config(cfg)

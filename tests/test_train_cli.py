@@ -23,17 +23,33 @@ def _run(args, run_dir):
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true")
     return subprocess.run(
         [sys.executable, "-m", "opd_exp.cli.train", *args, f"hydra.run.dir={run_dir}"],
-        capture_output=True, text=True, env=env, timeout=300,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
 
 
 @pytest.mark.slow
 def test_opd_train_cli_runs_and_resumes(local_pair, tmp_path):
     args = [
-        "model_pair=local", f"model_pair.student={local_pair / 'student'}", f"model_pair.teacher={local_pair / 'teacher'}",
-        "task=arithmetic", "task.n_train=64", "task.n_eval=8", "divergence=jsd", "divergence.beta=0.9",
-        "trainer.max_steps=3", "trainer.batch_size=4", "trainer.eval_every=2", "trainer.save_every=2",
-        "trainer.device=cpu", "trainer.num_threads=1", "trainer.progress=false", "rollout.max_new_tokens=6", "logger=none",
+        "model_pair=local",
+        f"model_pair.student={local_pair / 'student'}",
+        f"model_pair.teacher={local_pair / 'teacher'}",
+        "task=arithmetic",
+        "task.n_train=64",
+        "task.n_eval=8",
+        "divergence=jsd",
+        "divergence.beta=0.9",
+        "trainer.max_steps=3",
+        "trainer.batch_size=4",
+        "trainer.eval_every=2",
+        "trainer.save_every=2",
+        "trainer.device=cpu",
+        "trainer.num_threads=1",
+        "trainer.progress=false",
+        "rollout.max_new_tokens=6",
+        "logger=none",
     ]
     run_dir = tmp_path / "run"
     first = _run(args, run_dir)

@@ -16,8 +16,18 @@ from opd_exp.runtime import checkpoint
 from opd_exp.training.trainer import Trainer
 
 STEP_METRICS = (
-    "jsd/mean", "kl/reverse", "kl/forward", "loss", "advantages/mean", "student/logprob_mean",
-    "teacher/logprob_mean", "response/length_mean", "student/entropy", "perf/tokens_per_s", "grad/norm", "lr",
+    "jsd/mean",
+    "kl/reverse",
+    "kl/forward",
+    "loss",
+    "advantages/mean",
+    "student/logprob_mean",
+    "teacher/logprob_mean",
+    "response/length_mean",
+    "student/entropy",
+    "perf/tokens_per_s",
+    "grad/norm",
+    "lr",
 )
 EVAL_METRICS = ("eval/accuracy", "eval/jsd", "eval/kl_reverse", "eval/kl_forward")
 
@@ -29,7 +39,8 @@ def load_pair(tiny_dir: Path):
     return SimpleNamespace(
         student=AutoModelForCausalLM.from_pretrained(tiny_dir / "student"),
         teacher=AutoModelForCausalLM.from_pretrained(tiny_dir / "teacher"),
-        tokenizer=tok, vocab_size=len(tok),
+        tokenizer=tok,
+        vocab_size=len(tok),
     )
 
 
@@ -48,9 +59,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
         dict(estimator={"name": "topk_renorm", "k": 4}, loss={"name": "direct"}),
         dict(estimator={"name": "full"}, loss={"name": "direct"}, divergence={"name": "skl"}),
         dict(estimator={"name": "full"}, loss={"name": "reinforce", "credit": "sequence"}, divergence={"name": "tvd"}),
-        dict(estimator={"name": "sampled"}, loss={"name": "reinforce"}, divergence={"name": "fkl", "clip": 5.0},
-             rollout={"on_policy_fraction": 0.5, "temperature": 0.8, "top_k": 8, "top_p": 0.95, "n_samples": 2},
-             trainer={"micro_batch_size": 3}),
+        dict(
+            estimator={"name": "sampled"},
+            loss={"name": "reinforce"},
+            divergence={"name": "fkl", "clip": 5.0},
+            rollout={"on_policy_fraction": 0.5, "temperature": 0.8, "top_k": 8, "top_p": 0.95, "n_samples": 2},
+            trainer={"micro_batch_size": 3},
+        ),
     ],
 )
 def test_each_loss_form_and_estimator_writes_finite_metrics(groups, tiny_pair, tmp_path):
@@ -79,8 +94,12 @@ def _grads(trainer, batch):
 
 @pytest.mark.parametrize("estimator,loss", [("sampled", "reinforce"), ("full", "direct"), ("topk", "reinforce")])
 def test_gradient_accumulation_equals_one_big_batch(estimator, loss, tiny_pair, tmp_path):
-    cfg = small_config(estimator={"name": estimator, "k": 3}, loss={"name": loss, "credit": "token"},
-                       trainer={"batch_size": 6}, rollout={"max_new_tokens": 6})
+    cfg = small_config(
+        estimator={"name": estimator, "k": 3},
+        loss={"name": loss, "credit": "token"},
+        trainer={"batch_size": 6},
+        rollout={"max_new_tokens": 6},
+    )
     trainer = Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask())
     batch = trainer.sample(0)
     lengths = batch.response_mask.sum(1)
@@ -95,8 +114,9 @@ def test_gradient_accumulation_equals_one_big_batch(estimator, loss, tiny_pair, 
 
 
 def test_loss_decreases_on_a_fixed_batch(tiny_pair, tmp_path):
-    cfg = small_config(divergence={"name": "jsd"}, estimator={"name": "full"}, loss={"name": "direct"},
-                       trainer={"batch_size": 8, "lr": 1e-2})
+    cfg = small_config(
+        divergence={"name": "jsd"}, estimator={"name": "full"}, loss={"name": "direct"}, trainer={"batch_size": 8, "lr": 1e-2}
+    )
     trainer = Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask())
     batch = trainer.sample(0)
     losses = []
@@ -110,9 +130,13 @@ def test_loss_decreases_on_a_fixed_batch(tiny_pair, tmp_path):
 
 @pytest.mark.slow
 def test_stop_and_resume_equals_uninterrupted(tiny_dir, tmp_path):
-    groups = dict(estimator={"name": "sampled"}, loss={"name": "ppo"}, divergence={"name": "jsd"},
-                  trainer={"max_steps": 6, "save_every": 2, "eval_every": 3, "schedule": "cosine", "warmup_steps": 2},
-                  rollout={"on_policy_fraction": 0.7})
+    groups = dict(
+        estimator={"name": "sampled"},
+        loss={"name": "ppo"},
+        divergence={"name": "jsd"},
+        trainer={"max_steps": 6, "save_every": 2, "eval_every": 3, "schedule": "cosine", "warmup_steps": 2},
+        rollout={"on_policy_fraction": 0.7},
+    )
     straight = Trainer(small_config(**groups), tmp_path / "a", pair=load_pair(tiny_dir), task=AddTask())
     straight.run()
     # interrupted after step 3 (last checkpoint: step 2), then started again in the same folder

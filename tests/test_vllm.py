@@ -72,9 +72,17 @@ def _engine(pair, mode, temperature=0.7, top_k=5, processed=None):
 
     llm = FakeLLM(copy.deepcopy(pair.student), logprobs_mode=mode)
     return VllmRollout(
-        llm, pair.tokenizer, vocab_size=pair.vocab_size, eos_ids=eos_token_ids(pair.tokenizer), max_new_tokens=6,
-        max_prompt_tokens=8, temperature=temperature, top_k=top_k, top_p=1.0,
-        processed=(mode == PROCESSED) if processed is None else processed, sampling_params=FakeSamplingParams,
+        llm,
+        pair.tokenizer,
+        vocab_size=pair.vocab_size,
+        eos_ids=eos_token_ids(pair.tokenizer),
+        max_new_tokens=6,
+        max_prompt_tokens=8,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=1.0,
+        processed=(mode == PROCESSED) if processed is None else processed,
+        sampling_params=FakeSamplingParams,
     )
 
 
@@ -108,8 +116,12 @@ def test_engine_vllm_fails_before_any_model_loads(tmp_path, add_task):
 def test_cli_engine_vllm_exits_2_with_one_line(tmp_path, monkeypatch, capsys):
     from helpers.reliability import BASE, one_error_line, run_in_process
 
-    code, _, err = run_in_process(BASE + ["rollout.engine=vllm", "model_pair=local", "model_pair.student=/nonexistent/s",
-                                          "model_pair.teacher=/nonexistent/t"], tmp_path / "run", monkeypatch, capsys)
+    code, _, err = run_in_process(
+        BASE + ["rollout.engine=vllm", "model_pair=local", "model_pair.student=/nonexistent/s", "model_pair.teacher=/nonexistent/t"],
+        tmp_path / "run",
+        monkeypatch,
+        capsys,
+    )
     assert code == 2
     assert "needs the vllm package" in one_error_line(err)  # not the missing folders: no model was looked at
 
@@ -200,8 +212,12 @@ def test_trainer_with_the_fake_engine_syncs_every_step(tiny_pair, add_task, tmp_
     monkeypatch.setattr(VllmRollout, "make_llm", staticmethod(lambda **kw: (FakeLLM(engine_model, logprobs_mode=PROCESSED, **kw), True)))
     monkeypatch.setattr(VllmRollout, "sampling_params_class", staticmethod(lambda: FakeSamplingParams))
     tiny_pair.student.name_or_path = "tiny-student"
-    cfg = small_config(rollout=dict(engine=S.RolloutEngine.vllm, temperature=0.8, top_k=6),
-                       estimator=dict(name="sampled"), loss=dict(name="reinforce"), trainer=dict(max_steps=3, batch_size=2))
+    cfg = small_config(
+        rollout=dict(engine=S.RolloutEngine.vllm, temperature=0.8, top_k=6),
+        estimator=dict(name="sampled"),
+        loss=dict(name="reinforce"),
+        trainer=dict(max_steps=3, batch_size=2),
+    )
     t = Trainer(cfg, tmp_path / "run", pair=tiny_pair, task=add_task)
     out = [t.train_step() for _ in range(3)]
     assert t.engine.version == 2 and len(t.engine.llm.loads) == 3  # before steps 1, 2, 3

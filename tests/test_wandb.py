@@ -24,18 +24,28 @@ FAKE_KEY = "0123456789abcdef0123456789abcdef01234567"  # 40 hex chars, like a W&
 
 
 def test_scrub_redacts_keys_and_env_secrets():
-    cfg = {"logger": {"api_key": "sekrit-value", "project": "p"}, "note": f"key={FAKE_KEY} here", "tags": [FAKE_KEY],
-           "hf_token": None}
+    cfg = {"logger": {"api_key": "sekrit-value", "project": "p"}, "note": f"key={FAKE_KEY} here", "tags": [FAKE_KEY], "hf_token": None}
     out = tracking.scrub(cfg, secrets=tracking.secret_values({"WANDB_API_KEY": FAKE_KEY, "HOME": "/root/home"}))
-    assert out == {"logger": {"api_key": "<redacted>", "project": "p"}, "note": "key=<redacted> here",
-                   "tags": ["<redacted>"], "hf_token": None}
+    assert out == {
+        "logger": {"api_key": "<redacted>", "project": "p"},
+        "note": "key=<redacted> here",
+        "tags": ["<redacted>"],
+        "hf_token": None,
+    }
     assert tracking.scrub(["logger.api_key=abc", "divergence=jsd"], secrets=[]) == ["logger.api_key=<redacted>", "divergence=jsd"]
 
 
 def test_tags_are_the_overrides_and_the_divergence():
     tags = tracking.run_tags(
-        ["mine"], ["sweep=divergence", "+variant=jsd_0.5", "seed=1", "hydra.launcher.n_jobs=2", "logger.mode=online",
-                   "model_pair.student=/a/" + "x" * 100],
+        ["mine"],
+        [
+            "sweep=divergence",
+            "+variant=jsd_0.5",
+            "seed=1",
+            "hydra.launcher.n_jobs=2",
+            "logger.mode=online",
+            "model_pair.student=/a/" + "x" * 100,
+        ],
         {"name": "jsd", "beta": 0.5, "alpha": 0.1},
     )
     assert tags[:4] == ["mine", "sweep=divergence", "variant=jsd_0.5", "seed=1"]
@@ -53,8 +63,18 @@ def test_group_is_the_config_or_the_multirun_folder():
 
 
 def _init_args(tmp_path, **kw):
-    args = dict(project="opd-exp-test", entity=None, group=None, job_type="train", tags=[], mode="online",
-                on_error="fail", name=None, config={"seed": 0}, run_id="abcdef123456")
+    args = dict(
+        project="opd-exp-test",
+        entity=None,
+        group=None,
+        job_type="train",
+        tags=[],
+        mode="online",
+        on_error="fail",
+        name=None,
+        config={"seed": 0},
+        run_id="abcdef123456",
+    )
     args.update(kw)
     return args
 
@@ -101,9 +121,18 @@ def local_pair(tmp_path_factory) -> Path:
 
 def tiny_args(pair: Path, steps: int = 2) -> list[str]:
     return [
-        "model_pair=local", f"model_pair.student={pair / 'student'}", f"model_pair.teacher={pair / 'teacher'}",
-        "task.n_train=64", "task.n_eval=4", f"trainer.max_steps={steps}", "trainer.batch_size=2", "trainer.eval_size=4",
-        "trainer.eval_batch_size=4", "trainer.device=cpu", "trainer.progress=false", "rollout.max_new_tokens=6",
+        "model_pair=local",
+        f"model_pair.student={pair / 'student'}",
+        f"model_pair.teacher={pair / 'teacher'}",
+        "task.n_train=64",
+        "task.n_eval=4",
+        f"trainer.max_steps={steps}",
+        "trainer.batch_size=2",
+        "trainer.eval_size=4",
+        "trainer.eval_batch_size=4",
+        "trainer.device=cpu",
+        "trainer.progress=false",
+        "rollout.max_new_tokens=6",
         "logger.project=opd-exp-test",
     ]
 
@@ -118,8 +147,7 @@ def inspect(run_dir: Path) -> list[dict]:
     wandb_cli = shutil.which("wandb") or "wandb"
     out = []
     for d in sorted((run_dir / "wandb").glob("offline-run-*")):
-        done = subprocess.run([wandb_cli, "leet", "inspect", "--summary", "--json", str(d)], capture_output=True,
-                              text=True, timeout=60)
+        done = subprocess.run([wandb_cli, "leet", "inspect", "--summary", "--json", str(d)], capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr
         out.append(json.loads(done.stdout))
     return out
@@ -143,8 +171,15 @@ def assert_no_key(folder: Path):
 @pytest.mark.slow
 def test_offline_run_holds_the_metrics_config_and_resumes(local_pair, tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "opd_exp.cli.train", *tiny_args(local_pair), "divergence=jsd", "divergence.beta=0.9",
-           f"hydra.run.dir={run_dir}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "opd_exp.cli.train",
+        *tiny_args(local_pair),
+        "divergence=jsd",
+        "divergence.beta=0.9",
+        f"hydra.run.dir={run_dir}",
+    ]
     done = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -199,8 +234,16 @@ def test_multirun_gives_one_run_per_job_and_marks_the_failed_one(local_pair, tmp
     script = tmp_path / "crash_train.py"
     script.write_text(CRASH)
     sweep = tmp_path / "sweep"
-    cmd = [sys.executable, str(script), "-m", "sweep=estimator", "estimator=sampled,topk,full", "seed=0",
-           *tiny_args(local_pair), f"hydra.sweep.dir={sweep}"]
+    cmd = [
+        sys.executable,
+        str(script),
+        "-m",
+        "sweep=estimator",
+        "estimator=sampled,topk,full",
+        "seed=0",
+        *tiny_args(local_pair),
+        f"hydra.sweep.dir={sweep}",
+    ]
     done = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=400)
     assert done.returncode != 0 and "test crash in train_step" in done.stderr  # Hydra reports the failed job
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
@@ -217,9 +260,16 @@ def test_multirun_gives_one_run_per_job_and_marks_the_failed_one(local_pair, tmp
         assert r["config"]["estimator"]["name"] == est
     for j in jobs:
         assert_no_key(j)
-    group = [json.loads(ln) for ln in subprocess.run(
-        [shutil.which("wandb") or "wandb", "leet", "inspect", "--json", str(next((jobs[0] / "wandb").glob("offline-run-*")))],
-        capture_output=True, text=True, timeout=60).stdout.splitlines() if '"type":"run"' in ln]
+    group = [
+        json.loads(ln)
+        for ln in subprocess.run(
+            [shutil.which("wandb") or "wandb", "leet", "inspect", "--json", str(next((jobs[0] / "wandb").glob("offline-run-*")))],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout.splitlines()
+        if '"type":"run"' in ln
+    ]
     assert group[0]["run"]["run_group"] == "estimator" and group[0]["run"]["job_type"] == "train"
 
 

@@ -3,16 +3,14 @@ and the embedded pair prepared through it with a tiny budget."""
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from opd_exp.cli.prepare import main as prepare_main
 from opd_exp.config.world import EmbeddedModelConfig, EmbeddedPairConfig, TaskConfig
 from opd_exp.pairs.embedded import cache
-from opd_exp.cli.prepare import main as prepare_main
 from opd_exp.pairs.embedded.prepare import prepare_embedded
 
 
@@ -93,8 +91,9 @@ def test_failed_build_leaves_no_entry(tmp_path):
 
 
 def _tiny(steps: int = 5) -> EmbeddedModelConfig:
-    return EmbeddedModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
-                               intermediate_size=32, sft_steps=steps, batch_size=8, lr=1e-3)
+    return EmbeddedModelConfig(
+        hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, sft_steps=steps, batch_size=8, lr=1e-3
+    )
 
 
 def test_prepare_embedded_builds_reuses_and_rebuilds(tmp_path, monkeypatch):
@@ -112,8 +111,11 @@ def test_prepare_embedded_builds_reuses_and_rebuilds(tmp_path, monkeypatch):
     stamps = {r: (getattr(first, r) / cache.MANIFEST).stat().st_mtime_ns for r in ("teacher", "student")}
 
     # Reuse: same folders, nothing rebuilt; threads and task.seed are not part of the key.
-    again = prepare_embedded(EmbeddedPairConfig(teacher=_tiny(), student=_tiny(), n_sft=64, n_check=8, threads=2),
-                             TaskConfig(n_train=10, n_eval=20, seed=5), progress=False)
+    again = prepare_embedded(
+        EmbeddedPairConfig(teacher=_tiny(), student=_tiny(), n_sft=64, n_check=8, threads=2),
+        TaskConfig(n_train=10, n_eval=20, seed=5),
+        progress=False,
+    )
     assert (again.teacher, again.student) == (first.teacher, first.student)
     assert {r: (getattr(again, r) / cache.MANIFEST).stat().st_mtime_ns for r in stamps} == stamps
 
@@ -137,11 +139,21 @@ def test_prepare_embedded_builds_reuses_and_rebuilds(tmp_path, monkeypatch):
 
 def test_opd_prepare_command(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("OPD_EXP_CACHE", str(tmp_path))
-    args = ["--quiet", "model_pair.embedded.n_sft=32", "model_pair.embedded.n_check=4", "model_pair.embedded.threads=1",
-            "task.n_eval=10", "task.n_train=5"]
+    args = [
+        "--quiet",
+        "model_pair.embedded.n_sft=32",
+        "model_pair.embedded.n_check=4",
+        "model_pair.embedded.threads=1",
+        "task.n_eval=10",
+        "task.n_train=5",
+    ]
     for role in ("teacher", "student"):
-        args += [f"model_pair.embedded.{role}.{k}={v}" for k, v in
-                 dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, sft_steps=2, batch_size=4).items()]
+        args += [
+            f"model_pair.embedded.{role}.{k}={v}"
+            for k, v in dict(
+                hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, sft_steps=2, batch_size=4
+            ).items()
+        ]
     assert prepare_main(args) == 0
     out = capsys.readouterr().out
     assert f"cache: {tmp_path}" in out and "teacher: " in out and "greedy accuracy=" in out

@@ -9,14 +9,13 @@ import pytest
 from opd_exp.config.world import ModelPairConfig, TaskConfig, as_task_config
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.tasks import build_task
-from opd_exp.tasks.arithmetic import ArithmeticTask
+from opd_exp.tasks.arithmetic import ArithmeticSpec, ArithmeticTask, make_problem, sample_problem
 from opd_exp.tasks.base import Problem, Task, extract_answer, normalize_number, render_prompt, verify
-from opd_exp.tasks.arithmetic import ArithmeticSpec, make_problem, sample_problem
 
 
 def _value(prompt: str) -> int:
     # The prompt's parentheses must make Python's precedence equal the task's left-to-right order.
-    return eval(prompt.replace("=?\n", ""))  # noqa: S307 (digits and + - * ( ) only)
+    return eval(prompt.replace("=?\n", ""))
 
 
 def test_worked_solution_format():
@@ -154,9 +153,9 @@ def test_batched_greedy_eval_equals_one_by_one():
     import torch
 
     from opd_exp.config.world import EmbeddedModelConfig
-    from opd_exp.training.evaluate import evaluate_accuracy
     from opd_exp.pairs.embedded.models import build_model
     from opd_exp.pairs.embedded.tokenizer import build_tokenizer
+    from opd_exp.training.evaluate import evaluate_accuracy
 
     tok = build_tokenizer()
     model = build_model(EmbeddedModelConfig(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32), tok, 0)
@@ -166,8 +165,11 @@ def test_batched_greedy_eval_equals_one_by_one():
     problems = task.eval_problems()
     prompts = [task.render_prompt(p, tok) for p in problems]
     assert len({len(p) for p in prompts}) > 1  # really different lengths
+
     def completions(batch_size):
-        return evaluate_accuracy(model, tok, task, problems, batch_size=batch_size, max_new_tokens=12, return_completions=True)["completions"]
+        return evaluate_accuracy(model, tok, task, problems, batch_size=batch_size, max_new_tokens=12, return_completions=True)[
+            "completions"
+        ]
 
     batched, single = completions(12), completions(1)
     assert batched == single

@@ -23,9 +23,10 @@ import json
 import math
 import re
 import statistics
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 SEED_KEYS = ("seed",)
 TABLE_METRICS = ("eval/accuracy", "eval/jsd", "eval/kl_reverse")
@@ -66,16 +67,10 @@ class Run:
         return None
 
     def steps_per_s(self) -> float | None:
-        """Training steps per second: logged step times if present, else wall time."""
-        for key in ("perf/step_s", "perf/step_seconds"):
-            times = [v for v in self.values(key) if v is not None and math.isfinite(v) and v > 0]
-            if times:
-                return len(times) / sum(times)
-        elapsed = self.series.get("time/elapsed")
-        if elapsed:
-            step, secs = elapsed[-1]
-            if secs and secs > 0:
-                return step / secs
+        """Training steps per second: logged step times if present, else the summary's wall time."""
+        times = [v for v in self.values("perf/step_s") if v is not None and math.isfinite(v) and v > 0]
+        if times:
+            return len(times) / sum(times)
         steps, secs = self.summary.get("steps"), self.summary.get("elapsed_s")
         if isinstance(steps, (int, float)) and isinstance(secs, (int, float)) and secs > 0:
             return steps / secs
@@ -168,9 +163,7 @@ def find_run_dirs(folder: str | Path) -> list[Path]:
         raise AnalysisError(f"not a folder: {folder} (give a Hydra run or multirun folder)")
     found = [p.parent for p in folder.rglob(METRICS_FILE) if "wandb" not in p.relative_to(folder).parts[:-1]]
     if not found:
-        raise AnalysisError(
-            f"no {METRICS_FILE} under {folder}: not an opd-train run or multirun folder (or no job has logged yet)"
-        )
+        raise AnalysisError(f"no {METRICS_FILE} under {folder}: not an opd-train run or multirun folder (or no job has logged yet)")
     return sorted(found, key=_natural_key)
 
 
@@ -245,8 +238,13 @@ def load_wandb(project: str, entity: str | None = None, group: str | None = None
                     continue
                 series.setdefault(key, []).append((int(step), float(value)))
         runs.append(
-            Run(path=Path(path) / wr.id, overrides=overrides, seed=int(seed) if seed is not None else None,
-                series=series, summary=dict(wr.summary or {}))
+            Run(
+                path=Path(path) / wr.id,
+                overrides=overrides,
+                seed=int(seed) if seed is not None else None,
+                series=series,
+                summary=dict(wr.summary or {}),
+            )
         )
     assign_variants(runs)
     return runs
@@ -347,7 +345,7 @@ def format_table(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = TABLE_
     if fmt != "text":
         raise AnalysisError(f"table format {fmt!r} is unknown; allowed: text, markdown, csv")
     widths = [max(len(str(c)) for c in col) for col in zip(header, *body)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
     return "\n".join([line(header), line("-" * w for w in widths), *map(line, body)]) + "\n"
 
 

@@ -36,12 +36,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("folder", type=Path, help="a Hydra multirun folder (multirun/<date>/<time>) or one run folder")
     p.add_argument(
-        "--metric", action="append", default=None, metavar="NAME",
+        "--metric",
+        action="append",
+        default=None,
+        metavar="NAME",
         help=f"table column, repeatable (default: {', '.join(TABLE_METRICS)})",
     )
     p.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="write curves per variant to this image")
     p.add_argument(
-        "--curve", action="append", default=None, metavar="NAME",
+        "--curve",
+        action="append",
+        default=None,
+        metavar="NAME",
         help=f"curve panel for --plot, repeatable (default: {', '.join(CURVE_METRICS)})",
     )
     p.add_argument("--band", choices=("range", "std"), default="range", help="seed band: min..max (default) or mean ± std")

@@ -6,12 +6,12 @@ import argparse
 import logging
 import sys
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from opd_exp.config.world import ModelPairConfig, TaskConfig
 from opd_exp.pairs.embedded import cache
 from opd_exp.pairs.embedded.prepare import prepare_embedded
-from opd_exp.runtime.errors import ConfigError
+from opd_exp.runtime.errors import ConfigError, first_line
 
 
 def _parse_overrides(overrides: Sequence[str]) -> tuple[ModelPairConfig, TaskConfig]:
@@ -21,16 +21,18 @@ def _parse_overrides(overrides: Sequence[str]) -> tuple[ModelPairConfig, TaskCon
     base = OmegaConf.structured({"model_pair": ModelPairConfig(), "task": TaskConfig()})
     for item in overrides:
         if "=" not in item or not item.split("=", 1)[0].startswith(("model_pair.", "task.")):
-            raise ConfigError(f"override: got {item!r}; allowed: key=value with a key under model_pair. or task. (e.g. model_pair.embedded.teacher.sft_steps=100)")
+            raise ConfigError(
+                f"override: got {item!r}; allowed: key=value with a key under model_pair. or task. (e.g. model_pair.embedded.teacher.sft_steps=100)"
+            )
     try:
         merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
         obj = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
-        raise ConfigError(f"override: {str(exc).splitlines()[0]}") from None
+        raise ConfigError(f"override: {first_line(exc)}") from None
     return obj["model_pair"], obj["task"]
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """``opd-prepare [--force] [--quiet] [model_pair.embedded.x=... task.x=...]``"""
     parser = argparse.ArgumentParser(prog="opd-prepare", description="Build (or check) the cached embedded teacher/student pair.")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. model_pair.embedded.teacher.sft_steps=100 task.max_digits=2")

@@ -18,10 +18,10 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
+from opd_exp.cli.searchpath import register as register_sweeps
 from opd_exp.config import TrainConfig, register_configs
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.runtime.guards import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, Diverged, Preempted
-from opd_exp.cli.searchpath import register as register_sweeps
 
 register_configs()
 register_sweeps()  # sweeps/ on Hydra's search path: `opd-train -m sweep=<name>`
@@ -124,7 +124,7 @@ def scrub_hydra_dir(folder: Path) -> None:
 
     if not folder.is_dir():
         return
-    pattern = re.compile(r"([\w.+~/-]*(?:%s)[\w.-]*)(\s*[=:]\s*)([^\s,'\"\]}]+)" % SECRET_NAME.pattern, re.IGNORECASE)
+    pattern = re.compile(r"([\w.+~/-]*(?:" + SECRET_NAME.pattern + r")[\w.-]*)(\s*[=:]\s*)([^\s,'\"\]}]+)", re.IGNORECASE)
     secrets = secret_values()
     for f in folder.glob("*.yaml"):
         text = f.read_text()
@@ -151,7 +151,11 @@ def _one_line(ex: BaseException) -> str:
         if e is None:
             continue
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
-        keep = [ln for ln in lines if not ln.startswith(("full_key:", "object_type", "reference_type", "Config search path", "provider=", "Set the environment"))]
+        keep = [
+            ln
+            for ln in lines
+            if not ln.startswith(("full_key:", "object_type", "reference_type", "Config search path", "provider=", "Set the environment"))
+        ]
         key = getattr(e, "full_key", None)
         text = "; ".join(keep[:3])
         parts.append(f"{key}: {text}" if key and key not in text else text)
@@ -182,7 +186,11 @@ def main() -> None:
         if user_wants_full:
             raise
         where = f" ({ex.filename})" if getattr(ex, "filename", None) else ""
-        _fail(ConfigError(f"cannot write the run folder or read an input{where}: {ex.strerror or ex}; allowed: a writable hydra.run.dir and readable inputs"))
+        _fail(
+            ConfigError(
+                f"cannot write the run folder or read an input{where}: {ex.strerror or ex}; allowed: a writable hydra.run.dir and readable inputs"
+            )
+        )
     finally:
         if not user_wants_full:
             os.environ.pop("HYDRA_FULL_ERROR", None)

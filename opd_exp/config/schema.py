@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import MISSING
 
@@ -110,7 +110,7 @@ class DivergenceConfig:
     # divides the TEACHER's logits; the student side is the rollout's sampling distribution
     temperature: float = 1.0
     # fkl only: clip of the importance weight exp(t - s) in the sampled cost (null: no clip)
-    clip: Optional[float] = None
+    clip: float | None = None
 
     def __post_init__(self) -> None:
         _check(_finite(self.beta) and 0.0 <= self.beta <= 1.0, "divergence.beta", self.beta, "0 <= beta <= 1")
@@ -120,15 +120,10 @@ class DivergenceConfig:
             _check(_finite(self.clip) and self.clip > 0, "divergence.clip", self.clip, "null or > 0")
 
     def params(self) -> dict[str, float]:
-        """Keyword arguments of ``get_divergence`` for this divergence."""
-        name = self.name.value
-        if name == "jsd":
-            return {"beta": self.beta}
-        if name in ("skl", "srkl"):
-            return {"alpha": self.alpha}
-        if name == "fkl" and self.clip is not None:
-            return {"clip": self.clip}
-        return {}
+        """Keyword arguments of ``get_divergence`` for this divergence (unset ones left out)."""
+        from opd_exp.divergences import parameter_names
+
+        return {k: getattr(self, k) for k in parameter_names(self.name.value) if getattr(self, k) is not None}
 
 
 @dataclass
@@ -139,7 +134,7 @@ class EstimatorConfig:
     # teacher top-k size (topk, topk_renorm)
     k: int = 16
     # rows per chunk of the full-vocab path (null: sized from the vocabulary)
-    chunk_size: Optional[int] = None
+    chunk_size: int | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.k, int) and self.k >= 1, "estimator.k", self.k, "integer >= 1")
@@ -194,7 +189,9 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         _check(
             _finite(self.vllm_gpu_memory_utilization) and 0.0 < self.vllm_gpu_memory_utilization < 1.0,
-            "rollout.vllm_gpu_memory_utilization", self.vllm_gpu_memory_utilization, "0 < x < 1",
+            "rollout.vllm_gpu_memory_utilization",
+            self.vllm_gpu_memory_utilization,
+            "0 < x < 1",
         )
         _check(self.n_samples >= 1, "rollout.n_samples", self.n_samples, "integer >= 1")
         _check(_finite(self.temperature) and self.temperature > 0, "rollout.temperature", self.temperature, "> 0")
@@ -278,8 +275,12 @@ class TrainerConfig:
 
     def __post_init__(self) -> None:
         tdev = self.teacher_device
-        _check(tdev in ("same", "cpu", "cuda") or (tdev.startswith("cuda:") and tdev[5:].isdigit()),
-               "trainer.teacher_device", tdev, "same, cpu, cuda, cuda:N")
+        _check(
+            tdev in ("same", "cpu", "cuda") or (tdev.startswith("cuda:") and tdev[5:].isdigit()),
+            "trainer.teacher_device",
+            tdev,
+            "same, cpu, cuda, cuda:N",
+        )
         _check(isinstance(self.lora_rank, int) and self.lora_rank >= 0, "trainer.lora_rank", self.lora_rank, "integer >= 0 (0: off)")
         _check(_finite(self.lora_alpha) and self.lora_alpha > 0, "trainer.lora_alpha", self.lora_alpha, "> 0")
         _check(_finite(self.lora_dropout) and 0.0 <= self.lora_dropout < 1.0, "trainer.lora_dropout", self.lora_dropout, "0 <= x < 1")
@@ -306,9 +307,9 @@ class LoggerConfig:
 
     name: LoggerName = LoggerName.wandb
     project: str = "opd-exp"
-    entity: Optional[str] = None
-    group: Optional[str] = None
-    job_type: Optional[str] = "train"
+    entity: str | None = None
+    group: str | None = None
+    job_type: str | None = "train"
     tags: list[str] = field(default_factory=list)
     # offline: no network; online; disabled
     mode: str = "offline"
@@ -337,7 +338,7 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     # free-form run name (W&B name, summary line)
-    name: Optional[str] = None
+    name: str | None = None
 
     def __post_init__(self) -> None:
         validate(self)
@@ -366,8 +367,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if tc.param_dtype is ParamDtype.bf16 and tc.precision is Precision.fp16:
         _fail("trainer.precision", "fp16", "fp32 or bf16 with trainer.param_dtype=bf16 (fp16 autocast over bf16 weights loses range)")
     if tc.parallel is not Parallel.none and tc.teacher_device not in ("same", "cpu"):
-        _fail("trainer.teacher_device", tc.teacher_device,
-              f"same or cpu with trainer.parallel={tc.parallel.value} (each rank's teacher sits beside its student)")
+        _fail(
+            "trainer.teacher_device",
+            tc.teacher_device,
+            f"same or cpu with trainer.parallel={tc.parallel.value} (each rank's teacher sits beside its student)",
+        )
     if tc.parallel is not Parallel.none and tc.device == "mps":
         _fail("trainer.device", "mps", f"auto, cpu, cuda with trainer.parallel={tc.parallel.value} (no process group backend for mps)")
     if cfg.rollout.engine is RolloutEngine.vllm:

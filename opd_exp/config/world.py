@@ -7,7 +7,7 @@ fails at start-up with one line naming the key, the value and what is allowed.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from opd_exp.runtime.errors import ConfigError
 
@@ -38,23 +38,28 @@ class EmbeddedModelConfig:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size"):
             v = getattr(self, name)
             _check(isinstance(v, int) and v >= 1, f"{p}.{name}", v, "an integer >= 1")
-        _check(self.hidden_size % self.num_heads == 0 and (self.hidden_size // self.num_heads) % 2 == 0,
-               f"{p}.num_heads", self.num_heads, f"a divisor of hidden_size={self.hidden_size} leaving an even head size")
-        _check(self.num_heads % self.num_kv_heads == 0, f"{p}.num_kv_heads", self.num_kv_heads,
-               f"a divisor of num_heads={self.num_heads}")
+        _check(
+            self.hidden_size % self.num_heads == 0 and (self.hidden_size // self.num_heads) % 2 == 0,
+            f"{p}.num_heads",
+            self.num_heads,
+            f"a divisor of hidden_size={self.hidden_size} leaving an even head size",
+        )
+        _check(self.num_heads % self.num_kv_heads == 0, f"{p}.num_kv_heads", self.num_kv_heads, f"a divisor of num_heads={self.num_heads}")
         _check(isinstance(self.sft_steps, int) and self.sft_steps >= 0, f"{p}.sft_steps", self.sft_steps, "an integer >= 0")
         _check(isinstance(self.batch_size, int) and self.batch_size >= 1, f"{p}.batch_size", self.batch_size, "an integer >= 1")
         _check(0 < self.lr < 1, f"{p}.lr", self.lr, "a float in (0, 1)")
 
 
 def _teacher() -> EmbeddedModelConfig:
-    return EmbeddedModelConfig(hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                               intermediate_size=256, sft_steps=4000, batch_size=64, lr=3e-3)
+    return EmbeddedModelConfig(
+        hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=256, sft_steps=4000, batch_size=64, lr=3e-3
+    )
 
 
 def _student() -> EmbeddedModelConfig:
-    return EmbeddedModelConfig(hidden_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-                               intermediate_size=192, sft_steps=800, batch_size=64, lr=3e-3)
+    return EmbeddedModelConfig(
+        hidden_size=48, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=192, sft_steps=800, batch_size=64, lr=3e-3
+    )
 
 
 @dataclass
@@ -73,7 +78,9 @@ class EmbeddedPairConfig:
         self.student.check("model_pair.embedded.student")
         _check(isinstance(self.n_sft, int) and self.n_sft >= 1, "model_pair.embedded.n_sft", self.n_sft, "an integer >= 1")
         _check(isinstance(self.n_check, int) and self.n_check >= 0, "model_pair.embedded.n_check", self.n_check, "an integer >= 0")
-        _check(isinstance(self.threads, int) and self.threads >= 0, "model_pair.embedded.threads", self.threads, "an integer >= 0 (0 = auto)")
+        _check(
+            isinstance(self.threads, int) and self.threads >= 0, "model_pair.embedded.threads", self.threads, "an integer >= 0 (0 = auto)"
+        )
 
 
 @dataclass
@@ -83,7 +90,7 @@ class ModelPairConfig:
     name: str = "embedded"  # label for logs and W&B
     student: str = "embedded:student"  # hub id, local folder, or "embedded:student"
     teacher: str = "embedded:teacher"  # hub id, local folder, or "embedded:teacher"
-    tokenizer: Optional[str] = None  # hub id or folder of the shared tokenizer; default: the student's
+    tokenizer: str | None = None  # hub id or folder of the shared tokenizer; default: the student's
     dtype: str = "float32"  # weights dtype: float32 | bfloat16 | float16 | auto (as saved)
     trust_remote_code: bool = False  # allow models whose code lives in their repo (auto_map)
     embedded: EmbeddedPairConfig = field(default_factory=EmbeddedPairConfig)  # the embedded pair's recipe (cache key)
@@ -93,8 +100,12 @@ class ModelPairConfig:
         for key in ("student", "teacher"):
             v = getattr(self, key)
             # "???" is OmegaConf's "must be set" marker (conf/model_pair/local.yaml).
-            _check(isinstance(v, str) and v.strip() not in ("", "???"), f"model_pair.{key}", v,
-                   "a hub id, a local folder or 'embedded:student' / 'embedded:teacher' (set it on the command line)")
+            _check(
+                isinstance(v, str) and v.strip() not in ("", "???"),
+                f"model_pair.{key}",
+                v,
+                "a hub id, a local folder or 'embedded:student' / 'embedded:teacher' (set it on the command line)",
+            )
 
 
 @dataclass
@@ -112,7 +123,7 @@ class TaskConfig:
     max_digits: int = 2  # operands have 1..max_digits digits
     ops: str = "+-"  # operators drawn from, a subset of "+-*"
     # gsm8k
-    path: Optional[str] = None  # local .jsonl/.parquet file or folder, hub id (needs `datasets`), or "embedded:gsm8k_mini"
+    path: str | None = None  # local .jsonl/.parquet file or folder, hub id (needs `datasets`), or "embedded:gsm8k_mini"
     hub_config: str = "main"  # dataset config name on the hub (openai/gsm8k has "main" and "socratic")
     train_split: str = "train"  # split (or file stem) with training problems
     eval_split: str = "test"  # split (or file stem) with eval problems
@@ -125,17 +136,29 @@ class TaskConfig:
         if self.name == "arithmetic":
             _check(self.n_train >= 1, "task.n_train", self.n_train, "an integer >= 1 for arithmetic")
             _check(self.n_eval >= 1, "task.n_eval", self.n_eval, "an integer >= 1 for arithmetic")
-            _check(isinstance(self.min_operands, int) and self.min_operands >= 2, "task.min_operands",
-                   self.min_operands, "an integer >= 2")
-            _check(isinstance(self.max_operands, int) and self.min_operands <= self.max_operands <= 8,
-                   "task.max_operands", self.max_operands, f"an integer in [min_operands={self.min_operands}, 8]")
-            _check(isinstance(self.max_digits, int) and 1 <= self.max_digits <= 6, "task.max_digits",
-                   self.max_digits, "an integer in [1, 6]")
-            _check(isinstance(self.ops, str) and len(self.ops) > 0 and set(self.ops) <= set("+-*"),
-                   "task.ops", self.ops, "a non-empty subset of '+-*', e.g. '+-'")
+            _check(isinstance(self.min_operands, int) and self.min_operands >= 2, "task.min_operands", self.min_operands, "an integer >= 2")
+            _check(
+                isinstance(self.max_operands, int) and self.min_operands <= self.max_operands <= 8,
+                "task.max_operands",
+                self.max_operands,
+                f"an integer in [min_operands={self.min_operands}, 8]",
+            )
+            _check(
+                isinstance(self.max_digits, int) and 1 <= self.max_digits <= 6, "task.max_digits", self.max_digits, "an integer in [1, 6]"
+            )
+            _check(
+                isinstance(self.ops, str) and len(self.ops) > 0 and set(self.ops) <= set("+-*"),
+                "task.ops",
+                self.ops,
+                "a non-empty subset of '+-*', e.g. '+-'",
+            )
         if self.name == "gsm8k":
-            _check(bool(self.path), "task.path", self.path,
-                   "a local .jsonl/.parquet file or folder, a hub id like 'openai/gsm8k', or 'embedded:gsm8k_mini'")
+            _check(
+                bool(self.path),
+                "task.path",
+                self.path,
+                "a local .jsonl/.parquet file or folder, a hub id like 'openai/gsm8k', or 'embedded:gsm8k_mini'",
+            )
 
 
 def as_pair_config(cfg: Any) -> ModelPairConfig:

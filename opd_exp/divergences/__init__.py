@@ -19,6 +19,7 @@ from .catalog import (
     SkewReverseKL,
     TotalVariation,
     get_divergence,
+    parameter_names,
 )
 from .credit import sequence_returns
 from .full import default_chunk_size
@@ -38,6 +39,7 @@ __all__ = [
     "get_divergence",
     "masked_mean",
     "masked_sum",
+    "parameter_names",
     "sequence_returns",
     "topk_estimate",
 ]

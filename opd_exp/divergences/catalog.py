@@ -39,6 +39,8 @@ class Divergence(ABC):
 
     name: ClassVar[str]
     baseline: ClassVar[float] = 0.0  # token_cost = token_score - baseline
+    # constructor parameters, as config keys under ``divergence.`` (the one table of them)
+    param_names: ClassVar[tuple[str, ...]] = ()
 
     def params(self) -> dict[str, float]:
         return {}
@@ -131,6 +133,7 @@ class ForwardKL(Divergence):
     """
 
     name = "fkl"
+    param_names = ("clip",)
 
     def __init__(self, clip: float | None = None):
         if clip is not None and not (isinstance(clip, (int, float)) and clip > 0 and math.isfinite(clip)):
@@ -171,15 +174,14 @@ class JensenShannon(Divergence):
     """
 
     name = "jsd"
+    param_names = ("beta",)
 
     def __init__(self, beta: float = 0.5):
         if not (isinstance(beta, (int, float)) and 0.0 <= beta <= 1.0):
             raise ValueError(f"divergence 'jsd': beta={beta!r} is out of range; allowed: 0 <= beta <= 1")
         self.beta = float(beta)
         # The endpoints are the plain KLs (exactly, not as a limit of the mixture).
-        self._endpoint: Divergence | None = (
-            ForwardKL() if self.beta == 0.0 else ReverseKL() if self.beta == 1.0 else None
-        )
+        self._endpoint: Divergence | None = ForwardKL() if self.beta == 0.0 else ReverseKL() if self.beta == 1.0 else None
         if self._endpoint is not None:
             self.baseline = self._endpoint.baseline
 
@@ -247,6 +249,7 @@ class SkewForwardKL(Divergence):
     """Skew KL (DistiLLM): KL(T || alpha*T + (1-alpha)*S)."""
 
     name = "skl"
+    param_names = ("alpha",)
 
     def __init__(self, alpha: float = 0.1):
         self.alpha = _check_alpha(self.name, alpha)
@@ -275,6 +278,7 @@ class SkewReverseKL(Divergence):
     """Skew reverse KL (DistiLLM): KL(S || alpha*S + (1-alpha)*T)."""
 
     name = "srkl"
+    param_names = ("alpha",)
     baseline = 1.0
 
     def __init__(self, alpha: float = 0.1):
@@ -327,17 +331,19 @@ _REGISTRY: dict[str, type[Divergence]] = {
     cls.name: cls for cls in (ReverseKL, ForwardKL, JensenShannon, SkewForwardKL, SkewReverseKL, TotalVariation)
 }
 DIVERGENCES: tuple[str, ...] = tuple(_REGISTRY)
-_PARAMS = {"rkl": (), "fkl": ("clip",), "jsd": ("beta",), "skl": ("alpha",), "srkl": ("alpha",), "tvd": ()}
+
+
+def parameter_names(name: str) -> tuple[str, ...]:
+    """The parameters divergence ``name`` takes (e.g. ``("beta",)`` for jsd)."""
+    return _REGISTRY[name].param_names
 
 
 def get_divergence(name: str, **params) -> Divergence:
     """Build a divergence by name: rkl, fkl (clip), jsd (beta), skl (alpha), srkl (alpha), tvd."""
     if name not in _REGISTRY:
         raise ValueError(f"unknown divergence {name!r}; allowed: {', '.join(DIVERGENCES)}")
-    allowed = _PARAMS[name]
+    allowed = parameter_names(name)
     for key in params:
         if key not in allowed:
-            raise ValueError(
-                f"divergence {name!r} takes no parameter {key!r}; allowed: {', '.join(allowed) or 'none'}"
-            )
+            raise ValueError(f"divergence {name!r} takes no parameter {key!r}; allowed: {', '.join(allowed) or 'none'}")
     return _REGISTRY[name](**params)

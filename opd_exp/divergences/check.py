@@ -19,8 +19,8 @@ Pure torch (float64), no global state changed; imports only ``opd_exp.divergence
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -85,9 +85,7 @@ def topk_expectations(
     ys = torch.arange(V)
     z = zs.detach().clone().requires_grad_(True)
     # one row per possible sampled token y; the rows share z, so backward sums over y
-    surrogate, value = topk_estimate(
-        div, z.expand(V, V), t_k.expand(V, k), ids.expand(V, k), ys, t_all[ys], renormalize=renormalize
-    )
+    surrogate, value = topk_estimate(div, z.expand(V, V), t_k.expand(V, k), ids.expand(V, k), ys, t_all[ys], renormalize=renormalize)
     S = zs.detach().softmax(-1)
     (S * surrogate).sum().backward()
     value = value.detach()
@@ -166,8 +164,16 @@ ESTIMATORS: tuple[Estimator, ...] = (
     Estimator("skl alpha=0.1", ("skl", {"alpha": 0.1})),
     Estimator("srkl alpha=0.1", ("srkl", {"alpha": 0.1})),
     Estimator("tvd: sign(s - t)/2", ("tvd", {})),
-    *(Estimator(f"top-{k} + sampled tail, {n}", (n, p), "topk", (k,)) for n, p in (("rkl", {}), ("fkl", {}), ("jsd", {"beta": 0.5})) for k in (1, 4)),
-    *(Estimator(f"top-{k} renormalised (biased), {n}", (n, p), "topk_renorm", (k,), ours=False) for n, p in (("rkl", {}), ("jsd", {"beta": 0.5})) for k in (2, 4)),
+    *(
+        Estimator(f"top-{k} + sampled tail, {n}", (n, p), "topk", (k,))
+        for n, p in (("rkl", {}), ("fkl", {}), ("jsd", {"beta": 0.5}))
+        for k in (1, 4)
+    ),
+    *(
+        Estimator(f"top-{k} renormalised (biased), {n}", (n, p), "topk_renorm", (k,), ours=False)
+        for n, p in (("rkl", {}), ("jsd", {"beta": 0.5}))
+        for k in (2, 4)
+    ),
     *(Estimator(f"seed 001 shipped, beta={b}", ("jsd", {"beta": b}), "shipped_jsd", (b,), ours=False) for b in (0.3, 0.5, 0.9)),
     Estimator("seed 001 beta=1 (t - s) vs rkl", ("rkl", {}), "shipped_beta1", ours=False),
     Estimator("seed 001 beta=1 (t - s) vs fkl", ("fkl", {}), "shipped_beta1", ours=False),
@@ -246,13 +252,16 @@ def variance_table(
             stats = [est.moments(*random_pair(seed, vocab, regime)) for seed in seeds]
             D = [x[0] for x in stats]
             std = [math.sqrt(max(x[2], 0.0)) for x in stats]
-            rows.append({
-                "estimator": est.label, "regime": regime,
-                "D": sum(D) / len(D),
-                "bias": sum(x[1] - x[0] for x in stats) / len(stats),
-                "std": sum(std) / len(std),
-                "rel_std": sum(sd / d for sd, d in zip(std, D)) / len(D),
-            })
+            rows.append(
+                {
+                    "estimator": est.label,
+                    "regime": regime,
+                    "D": sum(D) / len(D),
+                    "bias": sum(x[1] - x[0] for x in stats) / len(stats),
+                    "std": sum(std) / len(std),
+                    "rel_std": sum(sd / d for sd, d in zip(std, D)) / len(D),
+                }
+            )
     return rows
 
 
@@ -265,13 +274,13 @@ def format_rows(rows: Sequence[dict], columns: Sequence[str], digits: int = 3) -
         if isinstance(v, float):
             if abs(v) < 1e-12:  # float round-off of an exact zero
                 return "0"
-            return f"{v:+.{digits}f}" if abs(v) >= 10 ** -digits else f"{v:+.1e}"
+            return f"{v:+.{digits}f}" if abs(v) >= 10**-digits else f"{v:+.1e}"
         if isinstance(v, (list, tuple)) and v and all(isinstance(x, float) for x in v):
             lo, hi = min(v), max(v)
-            return cell(lo) if abs(hi - lo) < 0.5 * 10 ** -digits else f"{cell(lo)} .. {cell(hi)}"
+            return cell(lo) if abs(hi - lo) < 0.5 * 10**-digits else f"{cell(lo)} .. {cell(hi)}"
         return str(v)
 
     body = [[cell(r[c]) for c in columns] for r in rows]
     widths = [max(len(x) for x in col) for col in zip(columns, *body)]
-    fmt = lambda cells: "  ".join(x.ljust(w) for x, w in zip(cells, widths)).rstrip()  # noqa: E731
+    fmt = lambda cells: "  ".join(x.ljust(w) for x, w in zip(cells, widths)).rstrip()
     return "\n".join([fmt(columns), fmt(["-" * w for w in widths]), *map(fmt, body)])

@@ -74,7 +74,7 @@ class _FullDivergence(torch.autograd.Function):
 
 
 def full_divergence(
-    div: "Divergence",
+    div: Divergence,
     student_logits: torch.Tensor,
     teacher_logits: torch.Tensor,
     temperature: float = 1.0,

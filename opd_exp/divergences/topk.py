@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 def topk_estimate(
-    div: "Divergence",
+    div: Divergence,
     student_logits: torch.Tensor,
     teacher_topk_logprobs: torch.Tensor,
     teacher_topk_ids: torch.Tensor,

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from opd_exp.config.world import ModelPairConfig, as_pair_config, as_task_config  # noqa: F401
-from opd_exp.runtime.errors import ConfigError
+from opd_exp.runtime.errors import ConfigError, first_line
 
 log = logging.getLogger("opd_exp.pairs")
 
@@ -32,12 +31,7 @@ ALLOWED_MODEL = "a hub id (e.g. 'Qwen/Qwen2.5-1.5B-Instruct'), an existing local
 
 def _looks_like_path(value: str) -> bool:
     # A hub id is "name" or "org/name"; anything else with path syntax is meant as a folder.
-    return (
-        value.startswith(("/", "./", "../", "~", "."))
-        or "\\" in value
-        or value.count("/") > 1
-        or value.endswith("/")
-    )
+    return value.startswith(("/", "./", "../", "~", ".")) or "\\" in value or value.count("/") > 1 or value.endswith("/")
 
 
 def _locate(key: str, value: str) -> str:
@@ -61,7 +55,7 @@ def resolve_pair(pair_cfg: Any, task_cfg: Any = None, *, progress: bool = True) 
     for key in ("student", "teacher"):
         value = getattr(cfg, key)
         if value.startswith(EMBEDDED_PREFIX):
-            role = value[len(EMBEDDED_PREFIX):]
+            role = value[len(EMBEDDED_PREFIX) :]
             if role not in EMBEDDED_ROLES:
                 raise ConfigError(f"model_pair.{key}: got {value!r}; allowed: 'embedded:student', 'embedded:teacher', or {ALLOWED_MODEL}")
             if embedded is None:
@@ -87,7 +81,7 @@ def _read_config(key: str, where: str) -> dict:
 
             path = cached_file(where, "config.json")
         except Exception as exc:  # offline, unknown repo, gated repo, ...
-            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            reason = first_line(exc)
             raise ConfigError(
                 f"{key}: cannot fetch {where!r} from the hub or the local HF cache ({reason[:160]}); allowed: {ALLOWED_MODEL}"
             ) from None
@@ -106,14 +100,18 @@ def _check_remote_code(key: str, where: str, config: dict, trust: bool) -> None:
     auto_map = config.get("auto_map") or {}
     custom = any(name in auto_map for name in ("AutoModelForCausalLM", "AutoModel", "AutoConfig"))
     if (custom or model_type not in CONFIG_MAPPING) and not trust:
-        why = "its config.json maps to code in the repo (auto_map)" if custom else f"model_type {model_type!r} is unknown to this transformers"
+        why = (
+            "its config.json maps to code in the repo (auto_map)"
+            if custom
+            else f"model_type {model_type!r} is unknown to this transformers"
+        )
         raise ConfigError(
             f"model_pair.trust_remote_code: got False, but {key}={where!r} needs custom code ({why}); "
             f"allowed: true (only for code you trust), or a model transformers supports natively"
         )
 
 
-def _embedding_rows(config: dict) -> Optional[int]:
+def _embedding_rows(config: dict) -> int | None:
     if isinstance(config.get("vocab_size"), int):
         return config["vocab_size"]
     text = config.get("text_config") or {}
@@ -126,8 +124,10 @@ def _load_tokenizer(key: str, where: str, trust: bool):
     try:
         return AutoTokenizer.from_pretrained(where, trust_remote_code=trust)
     except Exception as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"{key}: cannot load a tokenizer from {where!r} ({reason[:160]}); allowed: a folder or hub id with tokenizer files") from None
+        reason = first_line(exc)
+        raise ConfigError(
+            f"{key}: cannot load a tokenizer from {where!r} ({reason[:160]}); allowed: a folder or hub id with tokenizer files"
+        ) from None
 
 
 @dataclass
@@ -136,16 +136,16 @@ class PreflightResult:
     teacher: str  # resolved teacher folder or hub id
     tokenizer: str  # where the shared tokenizer is loaded from
     vocab_size: int  # usable vocabulary: logits are compared on ids [0, vocab_size)
-    student_rows: Optional[int]  # embedding rows of the student (may exceed vocab_size)
-    teacher_rows: Optional[int]
+    student_rows: int | None  # embedding rows of the student (may exceed vocab_size)
+    teacher_rows: int | None
 
 
 def preflight(
     pair_cfg: Any,
     task_cfg: Any = None,
     *,
-    student_path: Optional[str] = None,
-    teacher_path: Optional[str] = None,
+    student_path: str | None = None,
+    teacher_path: str | None = None,
     progress: bool = True,
 ) -> PreflightResult:
     """Check that the pair can be distilled, before loading any weights.
@@ -193,7 +193,11 @@ def preflight(
     if s_rows != t_rows:
         log.info(
             "vocab: student has %s embedding rows, teacher %s; both cover the tokenizer's %d tokens, "
-            "so this is reconcilable: logits are compared on ids [0, %d)", s_rows, t_rows, vocab, vocab,
+            "so this is reconcilable: logits are compared on ids [0, %d)",
+            s_rows,
+            t_rows,
+            vocab,
+            vocab,
         )
     return PreflightResult(student_path, teacher_path, tok_where, vocab, s_rows, t_rows)
 
@@ -222,13 +226,17 @@ def _load_model(key: str, where: str, cfg: ModelPairConfig, device: Any):
             where, dtype=_torch_dtype(cfg.dtype), use_safetensors=True, trust_remote_code=cfg.trust_remote_code
         )
     except OSError as exc:  # e.g. only .bin weights: we never unpickle weights
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"{key}: cannot load safetensors weights from {where!r} ({reason[:160]}); allowed: a model saved as safetensors") from None
+        reason = first_line(exc)
+        raise ConfigError(
+            f"{key}: cannot load safetensors weights from {where!r} ({reason[:160]}); allowed: a model saved as safetensors"
+        ) from None
     except Exception as exc:  # a damaged file: safetensors raises its own error type
         if type(exc).__name__ != "SafetensorError":
             raise
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"{key}: the safetensors weights in {where!r} are damaged ({reason[:160]}); allowed: a complete model.safetensors") from None
+        reason = first_line(exc)
+        raise ConfigError(
+            f"{key}: the safetensors weights in {where!r} are damaged ({reason[:160]}); allowed: a complete model.safetensors"
+        ) from None
     return model.to(device)
 
 

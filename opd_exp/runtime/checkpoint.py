@@ -26,11 +26,12 @@ import random
 import re
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from opd_exp.runtime import files
+from opd_exp.runtime.errors import ConfigError, first_line
 
 _NAME = re.compile(r"^step_(\d+)$")
 _FILES = ("model.safetensors", "optimizer.pt", "state.json", "rng.pt")
@@ -167,15 +168,13 @@ class RunLock:
     """Holds ``<run>/.opd-train.lock`` for one process; re-entrant within it. The owner's pid
     is kept beside it (``.opd-train.pid``) for the message a second process gets."""
 
-    _held: dict[str, list] = {}  # path -> [lock context, depth]
+    _held: ClassVar[dict[str, list]] = {}  # path -> [lock context, depth]
 
     def __init__(self, run_dir: Path):
         self.path = Path(run_dir) / LOCK
         self.owner = Path(run_dir) / OWNER
 
-    def __enter__(self) -> "RunLock":
-        from opd_exp.runtime.errors import ConfigError
-
+    def __enter__(self) -> RunLock:
         key = str(self.path.resolve())
         if key in self._held:
             self._held[key][1] += 1
@@ -212,8 +211,6 @@ def restore(run_dir: Path, model, optimizer, scheduler, warn=print) -> tuple[int
     folder holds none. One that fails (damaged bytes, another model) is renamed ``step_N.bad``
     with a warning and the next older one is tried; if none loads, a ``ConfigError`` says so
     (never a silent fresh start on top of a run's folder)."""
-    from opd_exp.runtime.errors import ConfigError
-
     root = checkpoint_root(run_dir)
     found = list_checkpoints(run_dir)
     if not found:
@@ -228,8 +225,8 @@ def restore(run_dir: Path, model, optimizer, scheduler, warn=print) -> tuple[int
     for _, path in reversed(found):
         try:
             state = load(path, model, optimizer, scheduler)
-        except Exception as ex:  # noqa: BLE001 - any damage: try the older one
-            reason = files.first_line(ex, 200)
+        except Exception as ex:
+            reason = first_line(ex, 200)
             first_error = first_error or f"{path}: {reason}"
             warn(f"opd-train: warning: checkpoint {path} cannot be loaded ({reason}); set aside as {path.name}.bad, trying an older one")
             if path.is_dir():

@@ -28,9 +28,10 @@ safetensors layout as a single-process run, so any run can resume any other's fo
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -97,7 +98,7 @@ def device_for(dev_name: str, local_rank: int, world_size: int) -> torch.device:
 def setup(parallel: str, dev_name: str) -> tuple[DistState, torch.device]:
     """Join the process group torchrun set up (idempotent), and pick this rank's device."""
     env = torchrun_env() if parallel != "none" else None
-    if env is None or env["WORLD_SIZE"] == 1 and not torch.distributed.is_initialized():
+    if env is None or (env["WORLD_SIZE"] == 1 and not torch.distributed.is_initialized()):
         if parallel == "none" and torchrun_env() and int(os.environ["WORLD_SIZE"]) > 1:
             raise ConfigError(
                 f"trainer.parallel='none' under torchrun with WORLD_SIZE={os.environ['WORLD_SIZE']}: every rank would train "

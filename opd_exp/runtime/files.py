@@ -16,16 +16,11 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Iterator, Mapping, Optional
+from typing import Any
 
 TMP_PREFIX = ".tmp-"
-
-
-def first_line(ex: BaseException, limit: int = 300) -> str:
-    """The first non-empty line of an exception's message (or its type's name)."""
-    lines = [ln.strip() for ln in str(ex).splitlines() if ln.strip()]
-    return (lines[0] if lines else type(ex).__name__)[:limit]
 
 
 def sha256_file(path: Path) -> str:
@@ -49,7 +44,7 @@ def write_manifest(folder: Path, name: str, extra: Mapping[str, Any] | None = No
     return manifest
 
 
-def check_manifest(folder: Path, name: str, required: tuple[str, ...] = ()) -> Optional[str]:
+def check_manifest(folder: Path, name: str, required: tuple[str, ...] = ()) -> str | None:
     """None when every file the manifest lists is present with its size and SHA-256 (and every
     ``required`` file is listed), else the first reason it is not."""
     folder = Path(folder)

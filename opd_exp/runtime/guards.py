@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 EXIT_CONFIG = 2
 EXIT_DIVERGED = 3
@@ -57,7 +58,7 @@ class PreemptionGuard:
 
     def __init__(self, signals=PREEMPT_SIGNALS):
         self.signals = tuple(signals)
-        self.signum: Optional[int] = None
+        self.signum: int | None = None
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum, frame) -> None:
@@ -68,7 +69,7 @@ class PreemptionGuard:
     def requested(self) -> bool:
         return self.signum is not None
 
-    def __enter__(self) -> "PreemptionGuard":
+    def __enter__(self) -> PreemptionGuard:
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
@@ -79,14 +80,14 @@ class PreemptionGuard:
             signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
         self._previous.clear()
 
-    def previous_handler(self) -> Optional[Callable]:
+    def previous_handler(self) -> Callable | None:
         """The Python-level handler that was installed before us for the received signal
         (submitit's requeue handler under hydra-submitit-launcher), if any."""
         prev = self._previous.get(self.signum) if self.signum is not None else None
         return prev if callable(prev) else None
 
 
-def nonfinite_summary(x) -> Optional[str]:
+def nonfinite_summary(x) -> str | None:
     """None if every entry of tensor ``x`` is finite, else e.g. '3 NaN, 1 inf of 960'."""
     import torch
 
@@ -109,12 +110,12 @@ class StepGuard:
     empty_steps: int = 0  # steps without a response token (no update)
     bad_in_a_row: int = 0
     bad_since: int = 0
-    last_problem: Optional[str] = None
+    last_problem: str | None = None
 
     def record_empty(self) -> None:
         self.empty_steps += 1
 
-    def record(self, step: int, problem: Optional[str]) -> None:
+    def record(self, step: int, problem: str | None) -> None:
         """``problem`` is None for a finite step, else what was not finite."""
         if problem is None:
             self.bad_in_a_row = 0
@@ -138,8 +139,10 @@ class StepGuard:
 
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
-            "skipped_steps": self.skipped_steps, "empty_steps": self.empty_steps,
-            "bad_in_a_row": self.bad_in_a_row, "bad_since": self.bad_since,
+            "skipped_steps": self.skipped_steps,
+            "empty_steps": self.empty_steps,
+            "bad_in_a_row": self.bad_in_a_row,
+            "bad_since": self.bad_since,
         }
         if self.last_problem is not None:
             out["last_problem"] = self.last_problem

@@ -79,8 +79,11 @@ def add_lora(model, tc):
             f"allowed: module names such as q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
         )
     lcfg = LoraConfig(
-        r=tc.lora_rank, lora_alpha=tc.lora_alpha, lora_dropout=tc.lora_dropout,
-        target_modules=list(tc.lora_target_modules), task_type="CAUSAL_LM",
+        r=tc.lora_rank,
+        lora_alpha=tc.lora_alpha,
+        lora_dropout=tc.lora_dropout,
+        target_modules=list(tc.lora_target_modules),
+        task_type="CAUSAL_LM",
     )
     return get_peft_model(model, lcfg)
 
@@ -101,10 +104,3 @@ def prepare_teacher(model, tc, device: torch.device):
     """The teacher frozen (no grad, eval mode) in its dtype on its device."""
     model = model.to(device=device, dtype=DTYPES[tc.teacher_dtype.value])
     return model.eval().requires_grad_(False)
-
-
-def trainable_summary(model) -> tuple[int, int]:
-    """(trainable, total) parameter counts."""
-    total = sum(p.numel() for p in model.parameters())
-    train = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return train, total

@@ -6,7 +6,8 @@ import dataclasses
 import enum
 import os
 import re
-from typing import Any, Iterable, Mapping
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 REDACTED = "<redacted>"
 # config keys and environment variables whose values are credentials

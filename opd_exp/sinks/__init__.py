@@ -11,8 +11,9 @@ import json
 import math
 import os
 import sys
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 
 def _clean(metrics: Mapping[str, Any]) -> dict[str, Any]:
@@ -37,7 +38,6 @@ class Sink:
 
     def close(self) -> None:
         """Flush and release (nothing to do for the `none` logger)."""
-
 
 
 def _step_of(line: str) -> float:

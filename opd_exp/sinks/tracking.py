@@ -23,16 +23,15 @@ Never imports models or the trainer. What it decides for one job:
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import enum
 import os
-import re
 import sys
 import uuid
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any
 
+from opd_exp.divergences import DIVERGENCES, parameter_names
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.runtime.secrets import REDACTED, SECRET_NAME, plain_config, scrub, secret_values  # noqa: F401  (W&B's config)
 from opd_exp.sinks import Sink, _clean
@@ -102,7 +101,7 @@ def run_tags(user_tags: Iterable[str], overrides: Iterable[str], divergence: Map
     if divergence:
         name = divergence.get("name")
         tags.append(f"divergence={name}")
-        for key in {"jsd": ("beta",), "skl": ("alpha",), "srkl": ("alpha",), "fkl": ("clip",)}.get(name, ()):
+        for key in parameter_names(name) if name in DIVERGENCES else ():
             if divergence.get(key) is not None:
                 tags.append(f"divergence.{key}={divergence[key]}")
     out: list[str] = []
@@ -129,8 +128,8 @@ def run_group(group: str | None, job: JobInfo) -> str | None:
 
 
 def _one_line(ex: BaseException) -> str:
-    text = " ".join(str(ex).split()) or type(ex).__name__
-    return scrub(text)[:300]
+    """W&B's messages carry the key that failed: scrub it."""
+    return scrub(" ".join(str(ex).split())[:300] or type(ex).__name__)
 
 
 def read_run_id(run_dir: Path) -> str | None:
@@ -163,8 +162,17 @@ def start_run(
 
     def init(m: str):
         return wandb.init(
-            project=project, entity=entity, group=group, job_type=job_type, tags=tags or None,
-            mode=m, name=name, id=run_id, resume="allow", dir=str(run_dir), config=dict(config),
+            project=project,
+            entity=entity,
+            group=group,
+            job_type=job_type,
+            tags=tags or None,
+            mode=m,
+            name=name,
+            id=run_id,
+            resume="allow",
+            dir=str(run_dir),
+            config=dict(config),
         )
 
     try:
@@ -176,8 +184,10 @@ def start_run(
                 f"logger=wandb could not start (logger.mode={mode}): {why}; allowed: fix it, or run with "
                 f"logger.mode=offline, logger.on_error=offline or logger=none (metrics.jsonl is written in every case)"
             ) from None
-        warn(f"opd-train: warning: W&B could not start (logger.mode={mode}): {why}; logging offline to "
-             f"{run_dir / 'wandb'} instead (upload later with `wandb sync`)")
+        warn(
+            f"opd-train: warning: W&B could not start (logger.mode={mode}): {why}; logging offline to "
+            f"{run_dir / 'wandb'} instead (upload later with `wandb sync`)"
+        )
     with contextlib.suppress(Exception):  # older wandb: nothing to forget
         wandb.teardown()  # forget the failed run, so its id can start again offline
     try:
@@ -205,28 +215,60 @@ class WandbSink(Sink):
 
     is_wandb = True
 
-    def __init__(self, run_dir: Path, *, project: str = "opd-exp", entity=None, group=None, job_type=None, tags=(),
-                 mode="offline", name=None, config=None, on_error: str = "fail", overrides=None):
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        project: str = "opd-exp",
+        entity=None,
+        group=None,
+        job_type=None,
+        tags=(),
+        mode="offline",
+        name=None,
+        config=None,
+        on_error: str = "fail",
+        overrides=None,
+    ):
         run_dir = Path(run_dir)
         job = hydra_job()
         config = scrub(plain_config(config or {}))
         overrides = job.overrides if overrides is None else list(overrides)
         run_id = read_run_id(run_dir) or os.environ.get("WANDB_RUN_ID") or uuid.uuid4().hex[:12]
         self._run = start_run(
-            run_dir, project=project, entity=entity, group=run_group(group, job), job_type=job_type,
-            tags=run_tags(tags, overrides, config.get("divergence")), mode=mode, on_error=on_error,
-            name=name or (run_dir.name if job.multirun else None), config=config, run_id=run_id,
+            run_dir,
+            project=project,
+            entity=entity,
+            group=run_group(group, job),
+            job_type=job_type,
+            tags=run_tags(tags, overrides, config.get("divergence")),
+            mode=mode,
+            on_error=on_error,
+            name=name or (run_dir.name if job.multirun else None),
+            config=config,
+            run_id=run_id,
         )
         (run_dir / "wandb_id.txt").write_text(self._run.id)
         define_metrics(self._run)
         self._tracked = set(SUMMARIES)
 
     @classmethod
-    def from_config(cls, cfg, run_dir: Path, **kw) -> "WandbSink":
+    def from_config(cls, cfg, run_dir: Path, **kw) -> WandbSink:
         """From a TrainConfig: its ``logger`` group and the whole config as the run config."""
         lg = cfg.logger
-        return cls(run_dir, project=lg.project, entity=lg.entity, group=lg.group, job_type=lg.job_type, tags=lg.tags,
-                   mode=lg.mode, name=cfg.name, config=cfg, on_error=getattr(lg, "on_error", "fail"), **kw)
+        return cls(
+            run_dir,
+            project=lg.project,
+            entity=lg.entity,
+            group=lg.group,
+            job_type=lg.job_type,
+            tags=lg.tags,
+            mode=lg.mode,
+            name=cfg.name,
+            config=cfg,
+            on_error=getattr(lg, "on_error", "fail"),
+            **kw,
+        )
 
     @property
     def run(self):

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-
-from opd_exp.runtime.errors import ConfigError
 from functools import cached_property
-from typing import Optional
 
 from opd_exp.config.world import TaskConfig
+from opd_exp.runtime.errors import ConfigError
 from opd_exp.tasks.base import Problem, Task
 
 ALLOWED_OPS = "+-*"
@@ -109,9 +107,7 @@ def train_split(spec: ArithmeticSpec, n: int, seed: int, exclude: set[str]) -> l
     return out
 
 
-def splits(
-    spec: ArithmeticSpec, n_train: int, n_eval: int, seed: int, eval_seed: int
-) -> tuple[list[Problem], list[Problem]]:
+def splits(spec: ArithmeticSpec, n_train: int, n_eval: int, seed: int, eval_seed: int) -> tuple[list[Problem], list[Problem]]:
     """(train, eval): eval fixed by ``eval_seed``, train drawn by ``seed`` and disjoint from eval."""
     ev = eval_split(spec, n_eval, eval_seed)
     tr = train_split(spec, n_train, seed, {p.prompt for p in ev})
@@ -123,7 +119,7 @@ class ArithmeticTask(Task):
 
     name = "arithmetic"
 
-    def __init__(self, cfg: Optional[TaskConfig] = None):
+    def __init__(self, cfg: TaskConfig | None = None):
         self.cfg = cfg or TaskConfig()
         self.spec = ArithmeticSpec(self.cfg.min_operands, self.cfg.max_operands, self.cfg.max_digits, self.cfg.ops)
 

@@ -10,7 +10,7 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
-from typing import Any, Optional
+from typing import Any
 
 # "####" (or more hashes), optional "$", then a number with optional thousands separators
 # and decimals; the number must not run into a letter ("#### 6abc" is malformed).
@@ -27,7 +27,7 @@ class Problem:
     solution: str  # worked steps ending in "#### <answer>" (the SFT target)
 
 
-def normalize_number(text: str) -> Optional[str]:
+def normalize_number(text: str) -> str | None:
     """Canonical string of a number ('1,234' -> '1234', '6.0' -> '6', '+3' -> '3'), or None."""
     text = text.strip().lstrip("$").replace(",", "").strip()
     try:
@@ -41,7 +41,7 @@ def normalize_number(text: str) -> Optional[str]:
     return format(value.normalize(), "f")
 
 
-def extract_answer(completion: str) -> Optional[str]:
+def extract_answer(completion: str) -> str | None:
     """The final answer after ``####``, canonical, or None when malformed.
 
     Every ``####`` must be followed by a number and all of them must agree: a completion
@@ -87,7 +87,7 @@ class Task(ABC):
     def eval_problems(self) -> list[Problem]:
         """The fixed evaluation set."""
 
-    def extract_answer(self, completion: str) -> Optional[str]:
+    def extract_answer(self, completion: str) -> str | None:
         return extract_answer(completion)
 
     def verify(self, completion: str, answer: str) -> bool:
@@ -101,7 +101,5 @@ class Task(ABC):
 def render_prompt(prompt: str, tokenizer: Any) -> str:
     """Apply the tokenizer's chat template (user turn + generation prompt) when it has one."""
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-        )
+        return tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
     return prompt

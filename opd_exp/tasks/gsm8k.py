@@ -13,28 +13,35 @@ import json
 import random
 from functools import cached_property
 from pathlib import Path
-from typing import Optional
 
 from opd_exp.config.world import TaskConfig
-from opd_exp.runtime.errors import ConfigError
+from opd_exp.runtime.errors import ConfigError, first_line
 from opd_exp.tasks.base import Problem, Task, normalize_number
 
 MINI_PATH = Path(__file__).resolve().parent.parent / "data" / "gsm8k_mini.jsonl"
 EMBEDDED_FILES = {"embedded:gsm8k_mini": MINI_PATH}
 SUFFIXES = (".jsonl", ".json", ".parquet")
-ALLOWED = "a local .jsonl/.parquet file or folder, a path with {split}, a hub id like 'openai/gsm8k' (needs `datasets`), or 'embedded:gsm8k_mini'"
+ALLOWED = (
+    "a local .jsonl/.parquet file or folder, a path with {split}, a hub id like 'openai/gsm8k' (needs `datasets`), or 'embedded:gsm8k_mini'"
+)
 
 
 def row_to_problem(row: dict, where: str, instruction: str = "") -> Problem:
     """One GSM8K row as a Problem (the answer is the number after the last ``####``)."""
     if not isinstance(row, dict):
-        raise ConfigError(f"task.path: {where} is a JSON {type(row).__name__}, not an object; allowed: {{\"question\": ..., \"answer\": \"... #### <n>\"}}")
+        raise ConfigError(
+            f'task.path: {where} is a JSON {type(row).__name__}, not an object; allowed: {{"question": ..., "answer": "... #### <n>"}}'
+        )
     question, answer = row.get("question"), row.get("answer")
     if not isinstance(question, str) or not isinstance(answer, str) or "####" not in answer:
-        raise ConfigError(f"task.path: {where} is not a GSM8K row (need 'question' and an 'answer' ending in '#### <n>'); allowed: {ALLOWED}")
+        raise ConfigError(
+            f"task.path: {where} is not a GSM8K row (need 'question' and an 'answer' ending in '#### <n>'); allowed: {ALLOWED}"
+        )
     final = normalize_number(answer.rsplit("####", 1)[1])
     if final is None:
-        raise ConfigError(f"task.path: {where} has a final answer that is not a number ({answer.rsplit('####', 1)[1].strip()!r}); allowed: '#### <number>'")
+        raise ConfigError(
+            f"task.path: {where} has a final answer that is not a number ({answer.rsplit('####', 1)[1].strip()!r}); allowed: '#### <number>'"
+        )
     prompt = question.strip() + (f"\n{instruction}" if instruction else "")
     return Problem(prompt=prompt, answer=final, solution=answer.strip())
 
@@ -45,14 +52,18 @@ def read_rows(path: Path) -> list[dict]:
         try:
             import pyarrow.parquet as pq
         except ImportError:
-            raise ConfigError(f"task.path: {str(path)!r} is parquet but `pyarrow` is not installed; allowed: a .jsonl file, or `pip install pyarrow`") from None
+            raise ConfigError(
+                f"task.path: {str(path)!r} is parquet but `pyarrow` is not installed; allowed: a .jsonl file, or `pip install pyarrow`"
+            ) from None
         return pq.read_table(path).to_pylist()
     data = path.read_bytes()
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
-        raise ConfigError(f"task.path: {path}:{line} is not UTF-8 text (byte {data[exc.start]:#04x}); allowed: a UTF-8 encoded file") from None
+        raise ConfigError(
+            f"task.path: {path}:{line} is not UTF-8 text (byte {data[exc.start]:#04x}); allowed: a UTF-8 encoded file"
+        ) from None
     if path.suffix == ".json":
         try:
             return list(json.loads(text))
@@ -76,18 +87,22 @@ def _load_hub(cfg: TaskConfig, split: str) -> list[dict]:
     try:
         import datasets
     except ImportError:
-        raise ConfigError(f"task.path: {cfg.path!r} is read from the HF hub but `datasets` is not installed; allowed: {ALLOWED} (or `pip install datasets`)") from None
+        raise ConfigError(
+            f"task.path: {cfg.path!r} is read from the HF hub but `datasets` is not installed; allowed: {ALLOWED} (or `pip install datasets`)"
+        ) from None
     try:
         return list(datasets.load_dataset(cfg.path, cfg.hub_config, split=split))
     except Exception as exc:  # offline, unknown id, unknown split, ...
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"task.path: cannot load {cfg.path!r} (config {cfg.hub_config!r}, split {split!r}) from the hub: {reason[:160]}; allowed: {ALLOWED}") from None
+        reason = first_line(exc)
+        raise ConfigError(
+            f"task.path: cannot load {cfg.path!r} (config {cfg.hub_config!r}, split {split!r}) from the hub: {reason[:160]}; allowed: {ALLOWED}"
+        ) from None
 
 
 class GSM8KTask(Task):
     name = "gsm8k"
 
-    def __init__(self, cfg: Optional[TaskConfig] = None):
+    def __init__(self, cfg: TaskConfig | None = None):
         self.cfg = cfg or TaskConfig(name="gsm8k", path="embedded:gsm8k_mini")
         if not self.cfg.path:
             raise ConfigError(f"task.path: got {self.cfg.path!r}; allowed: {ALLOWED}")
@@ -108,7 +123,9 @@ class GSM8KTask(Task):
             for split, out in ((cfg.train_split, train), (cfg.eval_split, evals)):
                 files = _split_files(folder, split)
                 if not files:
-                    raise ConfigError(f"task.path: folder {path!r} has no {split}*.jsonl/.parquet file for split {split!r}; allowed: {ALLOWED}")
+                    raise ConfigError(
+                        f"task.path: folder {path!r} has no {split}*.jsonl/.parquet file for split {split!r}; allowed: {ALLOWED}"
+                    )
                 for f in files:
                     out.extend(self._file(f))
         elif Path(path).expanduser().is_file():
@@ -118,7 +135,9 @@ class GSM8KTask(Task):
             random.Random(f"gsm8k-eval-{cfg.eval_seed}").shuffle(order)
             n_eval = cfg.n_eval or max(1, len(problems) // 5)
             if n_eval >= len(problems):
-                raise ConfigError(f"task.n_eval: got {cfg.n_eval} but {path!r} has only {len(problems)} problems; allowed: fewer than {len(problems)} (0 = a fifth)")
+                raise ConfigError(
+                    f"task.n_eval: got {cfg.n_eval} but {path!r} has only {len(problems)} problems; allowed: fewer than {len(problems)} (0 = a fifth)"
+                )
             evals = [problems[i] for i in order[:n_eval]]
             train = [problems[i] for i in order[n_eval:]]
         elif Path(path).suffix in SUFFIXES or path.startswith(("/", ".", "~")):

@@ -9,7 +9,8 @@ generation config or tokenizer — so their numbers agree on any pair.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -47,8 +48,9 @@ def accuracy(engine: RolloutEngine, tokenizer, task, problems: Sequence[Any], ba
     return out
 
 
-def evaluate_accuracy(model, tokenizer, task, problems: Sequence[Any], batch_size: int = 64, max_new_tokens: int = 64,
-                      return_completions: bool = False) -> dict:
+def evaluate_accuracy(
+    model, tokenizer, task, problems: Sequence[Any], batch_size: int = 64, max_new_tokens: int = 64, return_completions: bool = False
+) -> dict:
     """Greedy accuracy of a bare model (``opd-prepare``, benchmarks): an HF engine around it."""
     from types import SimpleNamespace
 
@@ -61,9 +63,19 @@ class Evaluator:
     """``eval/accuracy`` of the student's greedy responses, and on the same responses the exact
     divergences over the vocabulary (same S and T as the objective), per response token."""
 
-    def __init__(self, task, tokenizer, problems: Sequence[Any], *, batch_size: int, divergences: dict[str, Divergence],
-                 student_logits: Callable[[Batch], torch.Tensor], teacher: TeacherScorer, chunk_size=None,
-                 on_prompts: Callable[[list[str]], Any] | None = None):
+    def __init__(
+        self,
+        task,
+        tokenizer,
+        problems: Sequence[Any],
+        *,
+        batch_size: int,
+        divergences: dict[str, Divergence],
+        student_logits: Callable[[Batch], torch.Tensor],
+        teacher: TeacherScorer,
+        chunk_size=None,
+        on_prompts: Callable[[list[str]], Any] | None = None,
+    ):
         self.task, self.tokenizer, self.problems, self.batch_size = task, tokenizer, list(problems), batch_size
         self.divergences, self.student_logits, self.teacher, self.chunk_size = divergences, student_logits, teacher, chunk_size
         self.on_prompts = on_prompts  # sees every rendered prompt (the trainer counts over-long ones)

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from opd_exp.config.schema import Credit, EstimatorName, LossName, TrainConfig
-from opd_exp.divergences import get_divergence, sequence_returns
-from opd_exp.divergences import topk_estimate
+from opd_exp.divergences import get_divergence, sequence_returns, topk_estimate
 from opd_exp.training.scoring import entropy, teacher_topk, token_logprobs
 
 # Per-token metrics summed over response tokens (divide by the global token count).
@@ -135,9 +134,7 @@ class Objective:
             value = surrogate.detach()
         else:
             tk_lp, tk_ids = teacher_topk(teacher_z, cfg.estimator.k)
-            surrogate, value = topk_estimate(
-                self.div, student_z, tk_lp, tk_ids, y, t, renormalize=est is EstimatorName.topk_renorm
-            )
+            surrogate, value = topk_estimate(self.div, student_z, tk_lp, tk_ids, y, t, renormalize=est is EstimatorName.topk_renorm)
             value = value.detach()
         if credit is Credit.sequence:
             future = sequence_returns(torch.zeros_like(value), value, m, gamma)

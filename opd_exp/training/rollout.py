@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import abc
 import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -93,7 +93,7 @@ class Batch:
     source: str = "student"  # who sampled the responses: "student" or "teacher"
     # [N, R] log-probs of the sampled tokens as the rollout ENGINE computed them (vLLM only;
     # None for HF generate, whose distribution is the trainer's own): compared, not trained on
-    sampling_logprobs: Optional[torch.Tensor] = None
+    sampling_logprobs: torch.Tensor | None = None
 
     @property
     def response_ids(self) -> torch.Tensor:
@@ -107,7 +107,7 @@ class Batch:
     def num_response_tokens(self) -> int:
         return int(self.response_mask.sum())
 
-    def micro_batches(self, size: int) -> Iterator["Batch"]:
+    def micro_batches(self, size: int) -> Iterator[Batch]:
         """Whole sequences in slices of ``size`` rows (0: one slice); sequence credit stays intact."""
         n = self.num_sequences
         size = n if size <= 0 else size
@@ -123,7 +123,7 @@ class Batch:
                 sampling_logprobs=None if self.sampling_logprobs is None else self.sampling_logprobs[sl],
             )
 
-    def to(self, device) -> "Batch":
+    def to(self, device) -> Batch:
         return replace(
             self,
             input_ids=self.input_ids.to(device),
@@ -158,7 +158,7 @@ def eos_token_ids(tokenizer, model=None) -> list[int]:
         ids.extend(src if isinstance(src, (list, tuple)) else [src])
     if not ids:
         raise ValueError("the tokenizer has no eos_token_id: responses could never end")
-    return sorted(set(int(i) for i in ids))
+    return sorted({int(i) for i in ids})
 
 
 def encode_prompts(tokenizer, prompts: Sequence[str], max_prompt_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,8 +216,12 @@ def generate(
     eos = eos_token_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     kwargs = dict(
-        max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=pad, do_sample=do_sample,
-        return_dict_in_generate=True, output_scores=return_scores,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=eos,
+        pad_token_id=pad,
+        do_sample=do_sample,
+        return_dict_in_generate=True,
+        output_scores=return_scores,
     )
     processors = [_VocabLimit(vocab_size)] if vocab_size else []
     if do_sample and row_seeds is not None:
@@ -279,10 +283,11 @@ class RolloutEngine(abc.ABC):
     source: str = "student"
 
     @abc.abstractmethod
-    def generate(self, prompts: Sequence[str], seeds: Sequence[int] | None = None, *, n_samples: int = 1, greedy: bool = False) -> Batch:
-        ...
+    def generate(
+        self, prompts: Sequence[str], seeds: Sequence[int] | None = None, *, n_samples: int = 1, greedy: bool = False
+    ) -> Batch: ...
 
-    def sync(self, model, version: int) -> None:
+    def sync(self, model, version: int) -> None:  # noqa: B027 - optional hook: in-process engines need none
         """Make the engine sample ``model``'s current weights (``version``: the trainer step).
         In-process engines sample the live module and need nothing."""
 
@@ -290,8 +295,17 @@ class RolloutEngine(abc.ABC):
 class HfRollout(RolloutEngine):
     """In-process sampling with Hugging Face ``generate`` over the trainer's own module."""
 
-    def __init__(self, model, tokenizer, rollout_cfg, vocab_size: int, *, source: str = "student",
-                 autocast=contextlib.nullcontext, synced_gpus: bool = False):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        rollout_cfg,
+        vocab_size: int,
+        *,
+        source: str = "student",
+        autocast=contextlib.nullcontext,
+        synced_gpus: bool = False,
+    ):
         self.model, self.tokenizer, self.cfg, self.vocab_size = model, tokenizer, rollout_cfg, vocab_size
         self.source, self.autocast, self.synced_gpus = source, autocast, synced_gpus
 
@@ -299,9 +313,18 @@ class HfRollout(RolloutEngine):
         ro = self.cfg
         with self.autocast():
             return generate(
-                self.model, self.tokenizer, prompts, n_samples=n_samples, do_sample=not greedy,
-                max_new_tokens=ro.max_new_tokens, max_prompt_tokens=ro.max_prompt_tokens,
-                temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p, source=self.source,
-                vocab_size=self.vocab_size, row_seeds=None if greedy else seeds,
+                self.model,
+                self.tokenizer,
+                prompts,
+                n_samples=n_samples,
+                do_sample=not greedy,
+                max_new_tokens=ro.max_new_tokens,
+                max_prompt_tokens=ro.max_prompt_tokens,
+                temperature=ro.temperature,
+                top_k=ro.top_k,
+                top_p=ro.top_p,
+                source=self.source,
+                vocab_size=self.vocab_size,
+                row_seeds=None if greedy else seeds,
                 synced_gpus=self.synced_gpus and not greedy,
             )

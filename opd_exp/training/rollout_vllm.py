@@ -36,13 +36,19 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.rollout import (
-    Batch, RolloutEngine, encode_prompts, eos_token_ids, positions_from_mask, response_mask_from_ids,
+    Batch,
+    RolloutEngine,
+    encode_prompts,
+    eos_token_ids,
+    positions_from_mask,
+    response_mask_from_ids,
 )
 
 PROCESSED = "processed_logprobs"
@@ -66,9 +72,20 @@ def _load_weights_on_worker(worker, weights):
 
 class VllmRollout(RolloutEngine):
     def __init__(
-        self, llm, tokenizer, *, vocab_size: int, eos_ids: Sequence[int], max_new_tokens: int, max_prompt_tokens: int,
-        temperature: float, top_k: int, top_p: float, processed: bool, sampling_params: Callable[..., Any] | None = None,
-        model_vocab: Optional[int] = None,
+        self,
+        llm,
+        tokenizer,
+        *,
+        vocab_size: int,
+        eos_ids: Sequence[int],
+        max_new_tokens: int,
+        max_prompt_tokens: int,
+        temperature: float,
+        top_k: int,
+        top_p: float,
+        processed: bool,
+        sampling_params: Callable[..., Any] | None = None,
+        model_vocab: int | None = None,
     ):
         self.llm, self.tokenizer = llm, tokenizer
         self.vocab_size, self.eos_ids = vocab_size, list(eos_ids)
@@ -77,7 +94,7 @@ class VllmRollout(RolloutEngine):
         self.processed = processed  # the engine reports log-probs of the sampled distribution
         self.model_vocab = model_vocab
         self.sampling_params = sampling_params or self.sampling_params_class()
-        self.version: Optional[int] = None  # the trainer step whose weights the engine holds
+        self.version: int | None = None  # the trainer step whose weights the engine holds
         self.pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_ids[0]
 
     # -- construction -------------------------------------------------------
@@ -101,14 +118,20 @@ class VllmRollout(RolloutEngine):
             return LLM(**kwargs), False
 
     @classmethod
-    def from_config(cls, cfg, student, tokenizer, vocab_size: int, warn: Callable[[str], None] | None = None) -> "VllmRollout":
+    def from_config(cls, cfg, student, tokenizer, vocab_size: int, warn: Callable[[str], None] | None = None) -> VllmRollout:
         ro, tc = cfg.rollout, cfg.trainer
         path = getattr(student, "name_or_path", None) or getattr(getattr(student, "config", None), "_name_or_path", None)
         if not path:
-            raise ConfigError("rollout.engine='vllm': the student has no folder or hub id to start vLLM from; allowed: a model_pair with a saved student")
+            raise ConfigError(
+                "rollout.engine='vllm': the student has no folder or hub id to start vLLM from; allowed: a model_pair with a saved student"
+            )
         llm, processed = cls.make_llm(
-            model=str(path), tokenizer=str(path), dtype="bfloat16" if tc.param_dtype.value == "bf16" or tc.precision.value == "bf16" else "auto",
-            gpu_memory_utilization=ro.vllm_gpu_memory_utilization, seed=cfg.seed, enable_prefix_caching=False,
+            model=str(path),
+            tokenizer=str(path),
+            dtype="bfloat16" if tc.param_dtype.value == "bf16" or tc.precision.value == "bf16" else "auto",
+            gpu_memory_utilization=ro.vllm_gpu_memory_utilization,
+            seed=cfg.seed,
+            enable_prefix_caching=False,
             max_model_len=ro.max_prompt_tokens + ro.max_new_tokens,
         )
         if not processed:
@@ -119,9 +142,17 @@ class VllmRollout(RolloutEngine):
         emb = student.get_output_embeddings() if hasattr(student, "get_output_embeddings") else None
         model_vocab = int(emb.weight.shape[0]) if emb is not None else None
         return cls(
-            llm, tokenizer, vocab_size=vocab_size, eos_ids=eos_token_ids(tokenizer, student),
-            max_new_tokens=ro.max_new_tokens, max_prompt_tokens=ro.max_prompt_tokens,
-            temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p, processed=processed, model_vocab=model_vocab,
+            llm,
+            tokenizer,
+            vocab_size=vocab_size,
+            eos_ids=eos_token_ids(tokenizer, student),
+            max_new_tokens=ro.max_new_tokens,
+            max_prompt_tokens=ro.max_prompt_tokens,
+            temperature=ro.temperature,
+            top_k=ro.top_k,
+            top_p=ro.top_p,
+            processed=processed,
+            model_vocab=model_vocab,
         )
 
     # -- weights ------------------------------------------------------------
@@ -147,9 +178,15 @@ class VllmRollout(RolloutEngine):
 
     def _params(self, seed: int, greedy: bool = False):
         kw = dict(
-            n=1, temperature=0.0 if greedy else self.temperature, top_p=self.top_p, top_k=self.top_k if self.top_k > 0 else -1,
-            max_tokens=self.max_new_tokens, logprobs=0, seed=int(seed) % (2**31 - 1),
-            stop_token_ids=self.eos_ids, detokenize=False,
+            n=1,
+            temperature=0.0 if greedy else self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k if self.top_k > 0 else -1,
+            max_tokens=self.max_new_tokens,
+            logprobs=0,
+            seed=int(seed) % (2**31 - 1),
+            stop_token_ids=self.eos_ids,
+            detokenize=False,
         )
         if self.model_vocab and self.model_vocab > self.vocab_size:  # padded embedding rows: never sampled (as in HF)
             kw["allowed_token_ids"] = list(range(self.vocab_size))

@@ -8,7 +8,7 @@ written before this class existed (same keys).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -57,7 +57,7 @@ class TrainState:
     step: int = 0
     eval_before: dict[str, float] = field(default_factory=dict)
     eval_last: dict[str, float] = field(default_factory=dict)
-    teacher_accuracy: Optional[float] = None
+    teacher_accuracy: float | None = None
     elapsed_s: float = 0.0
 
     def state_dict(self) -> dict[str, Any]:

@@ -90,7 +90,9 @@ class Trainer:
         evals = list(task.eval_problems())
         for split, problems in (("training", self.train_problems), ("eval", evals)):
             if not problems:
-                raise ConfigError(f"task: {cfg.task.name!r} has no {split} problems (empty dataset or split); allowed: a task with at least one")
+                raise ConfigError(
+                    f"task: {cfg.task.name!r} has no {split} problems (empty dataset or split); allowed: a task with at least one"
+                )
         self.student = prec.prepare_student(pair.student, tc, self.device)  # dtype, grad ckpt, LoRA
         teacher_device = prec.teacher_device(tc, self.device)
         self.teacher = prec.prepare_teacher(pair.teacher, tc, teacher_device)  # frozen, no grad
@@ -101,21 +103,33 @@ class Trainer:
 
         # Engines, picked once: the loop below never asks which ones it has.
         fsdp = self.dist.active and self.dist.parallel == "fsdp"
-        self.engine = build_student_engine(cfg, self.student, self.tokenizer, self.vocab_size,
-                                           autocast=self.autocast, synced_gpus=fsdp, warn=self.warn)
+        self.engine = build_student_engine(
+            cfg, self.student, self.tokenizer, self.vocab_size, autocast=self.autocast, synced_gpus=fsdp, warn=self.warn
+        )
         self.teacher_engine = HfRollout(self.teacher, self.tokenizer, ro, self.vocab_size, source="teacher", autocast=self.autocast)
-        self.eval_engines = {"student": HfRollout(self.student, self.tokenizer, ro, self.vocab_size, autocast=self.autocast),
-                             "teacher": self.teacher_engine}
+        self.eval_engines = {
+            "student": HfRollout(self.student, self.tokenizer, ro, self.vocab_size, autocast=self.autocast),
+            "teacher": self.teacher_engine,
+        }
         self.row_keyed = self.dist.row_keyed or ro.engine.value == "vllm"  # per-row generators, not torch's RNG
-        self.teacher_scorer = InProcessTeacher(self.teacher, self.vocab_size, temperature=cfg.divergence.temperature,
-                                               device=teacher_device, autocast=self.autocast)
+        self.teacher_scorer = InProcessTeacher(
+            self.teacher, self.vocab_size, temperature=cfg.divergence.temperature, device=teacher_device, autocast=self.autocast
+        )
         self.objective = Objective(cfg)
         eval_problems = evals[: tc.eval_size] if tc.eval_size else evals
         self.evaluator = Evaluator(
-            task, self.tokenizer, eval_problems, batch_size=tc.eval_batch_size, teacher=self.teacher_scorer,
-            divergences={"eval/jsd": get_divergence("jsd", beta=metric_beta(cfg)), "eval/kl_reverse": get_divergence("rkl"),
-                         "eval/kl_forward": get_divergence("fkl")},
-            student_logits=lambda b: self._student_logits(self.student, b), chunk_size=cfg.estimator.chunk_size,
+            task,
+            self.tokenizer,
+            eval_problems,
+            batch_size=tc.eval_batch_size,
+            teacher=self.teacher_scorer,
+            divergences={
+                "eval/jsd": get_divergence("jsd", beta=metric_beta(cfg)),
+                "eval/kl_reverse": get_divergence("rkl"),
+                "eval/kl_forward": get_divergence("fkl"),
+            },
+            student_logits=lambda b: self._student_logits(self.student, b),
+            chunk_size=cfg.estimator.chunk_size,
             on_prompts=self._count_truncated,
         )
 
@@ -151,8 +165,9 @@ class Trainer:
         n = sum(len(self.tokenizer(p, add_special_tokens=False)["input_ids"]) > cap for p in prompts)
         if n:
             self._warn_once(
-                "truncated", f"{n} of {len(prompts)} prompts are longer than rollout.max_prompt_tokens={cap} and are cut "
-                f"from the left (the last {cap} tokens are kept); counted in rollout/truncated_prompts"
+                "truncated",
+                f"{n} of {len(prompts)} prompts are longer than rollout.max_prompt_tokens={cap} and are cut "
+                f"from the left (the last {cap} tokens are kept); counted in rollout/truncated_prompts",
             )
         return n
 
@@ -226,7 +241,8 @@ class Trainer:
                 from opd_exp.training.rollout_vllm import logprob_gap_sum
 
                 sums["rollout/engine_logprob_gap"] += logprob_gap_sum(
-                    mb.sampling_logprobs, token_logprobs(zs.detach(), mb.response_ids), mb.response_mask)
+                    mb.sampling_logprobs, token_logprobs(zs.detach(), mb.response_ids), mb.response_mask
+                )
             with dist_util.no_sync(self.train_module, ds, last=last):
                 (out.loss * ds.world_size if ds.active else out.loss).backward()
             loss_total += float(out.loss.detach())
@@ -276,13 +292,22 @@ class Trainer:
         self.state.step += 1
         dt = time.perf_counter() - t0
         metrics = {k: v / max(n_global, 1) for k, v in sums.items()}
-        metrics.update({
-            "loss": loss, "response/length_mean": n_global / max(seq_global, 1), "grad/norm": grad_norm,
-            "grad/skipped": 0.0 if problem is None else 1.0, "guard/skipped_steps": float(guard.skipped_steps),
-            "guard/empty_steps": float(guard.empty_steps), "rollout/truncated_prompts": float(self._n_truncated), "lr": lr,
-            "rollout/on_policy": 1.0 if batch.source == "student" else 0.0, "perf/tokens_per_s": n_global / dt,
-            "perf/step_s": dt, "perf/rollout_s": t_rollout,
-        })
+        metrics.update(
+            {
+                "loss": loss,
+                "response/length_mean": n_global / max(seq_global, 1),
+                "grad/norm": grad_norm,
+                "grad/skipped": 0.0 if problem is None else 1.0,
+                "guard/skipped_steps": float(guard.skipped_steps),
+                "guard/empty_steps": float(guard.empty_steps),
+                "rollout/truncated_prompts": float(self._n_truncated),
+                "lr": lr,
+                "rollout/on_policy": 1.0 if batch.source == "student" else 0.0,
+                "perf/tokens_per_s": n_global / dt,
+                "perf/step_s": dt,
+                "perf/rollout_s": t_rollout,
+            }
+        )
         for k in TOKEN_METRICS:
             metrics.setdefault(k, 0.0)
         return metrics
@@ -313,8 +338,9 @@ class Trainer:
             optimizer = dist_util.Frozen(dist_util.FullOptimizerView(self.student, self.optimizer).state_dict())
         path = checkpoint.checkpoint_root(self.run_dir) / f"step_{self.step:06d}"
         if ds.is_main:
-            path = checkpoint.save(self.run_dir, self.step, model, optimizer, self.scheduler, self.state.state_dict(),
-                                   keep=self.cfg.trainer.keep_checkpoints)
+            path = checkpoint.save(
+                self.run_dir, self.step, model, optimizer, self.scheduler, self.state.state_dict(), keep=self.cfg.trainer.keep_checkpoints
+            )
         dist_util.barrier(ds)
         return path
 

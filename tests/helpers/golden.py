@@ -12,7 +12,8 @@ GOLDEN_FILE = Path(__file__).resolve().parent.parent / "data" / "golden_runs.jso
 GOLDEN_RUNS: dict[str, dict] = {
     "default": {},
     "sampled_ppo_jsd_sequence": dict(
-        estimator={"name": "sampled"}, loss={"name": "ppo", "credit": "sequence", "gamma": 1.0},
+        estimator={"name": "sampled"},
+        loss={"name": "ppo", "credit": "sequence", "gamma": 1.0},
         divergence={"name": "jsd", "beta": 0.5},
     ),
     "on_policy_half": dict(rollout={"on_policy_fraction": 0.5}),

@@ -10,8 +10,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from helpers.tiny import build_model
 
 
@@ -28,15 +26,24 @@ def make_local_pair(root: Path) -> Path:
 
 
 def pair_args(pair: Path, student: Path | str | None = None, teacher: Path | str | None = None) -> list[str]:
-    return ["model_pair=local", f"model_pair.student={student or pair / 'student'}",
-            f"model_pair.teacher={teacher or pair / 'teacher'}"]
+    return ["model_pair=local", f"model_pair.student={student or pair / 'student'}", f"model_pair.teacher={teacher or pair / 'teacher'}"]
 
 
 # Small and deterministic on CPU: one thread, fp32, no W&B, no progress bar.
 BASE = [
-    "task=arithmetic", "task.n_train=64", "task.n_eval=4", "trainer.batch_size=2", "trainer.eval_size=4",
-    "trainer.eval_batch_size=4", "trainer.eval_every=0", "trainer.device=cpu", "trainer.num_threads=1",
-    "trainer.progress=false", "trainer.warmup_steps=0", "trainer.lr=1e-2", "rollout.max_new_tokens=6",
+    "task=arithmetic",
+    "task.n_train=64",
+    "task.n_eval=4",
+    "trainer.batch_size=2",
+    "trainer.eval_size=4",
+    "trainer.eval_batch_size=4",
+    "trainer.eval_every=0",
+    "trainer.device=cpu",
+    "trainer.num_threads=1",
+    "trainer.progress=false",
+    "trainer.warmup_steps=0",
+    "trainer.lr=1e-2",
+    "rollout.max_new_tokens=6",
     "logger=none",
 ]
 
@@ -60,8 +67,14 @@ def run_in_process(args: list[str], run_dir: Path, monkeypatch, capsys) -> tuple
 def popen(args: list[str], run_dir: Path, **kw) -> subprocess.Popen:
     env = dict(os.environ, WANDB_MODE="offline", WANDB_SILENT="true", PYTHONUNBUFFERED="1")
     env.pop("HYDRA_FULL_ERROR", None)
-    return subprocess.Popen([sys.executable, "-m", "opd_exp.cli.train", *args, f"hydra.run.dir={run_dir}"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, **kw)
+    return subprocess.Popen(
+        [sys.executable, "-m", "opd_exp.cli.train", *args, f"hydra.run.dir={run_dir}"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        **kw,
+    )
 
 
 def run_subprocess(args: list[str], run_dir: Path, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -80,8 +93,9 @@ def comparable(rows: list[dict]) -> list[dict]:
 
 
 def final_weights(run_dir: Path) -> dict:
-    from opd_exp.runtime import checkpoint
     from safetensors.torch import load_file
+
+    from opd_exp.runtime import checkpoint
 
     path = checkpoint.latest(run_dir)
     assert path is not None, f"no checkpoint in {run_dir}"
@@ -95,8 +109,3 @@ def one_error_line(stderr: str) -> str:
     errors = [ln for ln in lines if ln.startswith("opd-train: error: ")]
     assert len(errors) == 1, stderr[-3000:]
     return errors[0]
-
-
-@pytest.fixture(scope="session")
-def local_pair_dir(tmp_path_factory) -> Path:
-    return make_local_pair(tmp_path_factory.mktemp("reliability_pair"))

@@ -23,8 +23,9 @@ def final_accuracy(base: float, seed: int) -> float:
 
 def metrics_rows(base_acc: float, base_jsd: float, seed: int, steps: int = STEPS) -> list[dict]:
     """Step 0 is the eval before training (eval keys only), as opd-train logs it."""
-    rows = [{"step": 0, "eval/accuracy": 0.1, "eval/jsd": 0.5, "eval/kl_reverse": 1.0, "eval/kl_forward": 1.2,
-             "eval/teacher_accuracy": 0.9}]
+    rows = [
+        {"step": 0, "eval/accuracy": 0.1, "eval/jsd": 0.5, "eval/kl_reverse": 1.0, "eval/kl_forward": 1.2, "eval/teacher_accuracy": 0.9}
+    ]
     for step in range(1, steps + 1):
         frac = step / steps
         row = {
@@ -43,8 +44,14 @@ def metrics_rows(base_acc: float, base_jsd: float, seed: int, steps: int = STEPS
         }
         if step % 2 == 0:  # eval every 2 steps (and at the last)
             acc = final_accuracy(base_acc, seed) if step == steps else 0.3
-            row.update({"eval/accuracy": acc, "eval/jsd": base_jsd * (1 + seed) if step == steps else 0.2,
-                        "eval/kl_reverse": 0.1 + 0.01 * seed, "eval/kl_forward": 0.12})
+            row.update(
+                {
+                    "eval/accuracy": acc,
+                    "eval/jsd": base_jsd * (1 + seed) if step == steps else 0.2,
+                    "eval/kl_reverse": 0.1 + 0.01 * seed,
+                    "eval/kl_forward": 0.12,
+                }
+            )
         rows.append(row)
     return rows
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
@@ -27,7 +26,7 @@ class AddTask:
         rng = random.Random(seed)
         pairs = [(a, b) for a in range(10) for b in range(10)]
         rng.shuffle(pairs)
-        make = lambda a, b: Problem(f"{a}+{b}=", str(a + b), f"{a + b}")  # noqa: E731
+        make = lambda a, b: Problem(f"{a}+{b}=", str(a + b), f"{a + b}")
         self._train = [make(a, b) for a, b in (pairs * 2)[:n_train]]
         self._eval = [make(a, b) for a, b in pairs[-n_eval:]]
 
@@ -62,9 +61,17 @@ def build_model(folder: Path, vocab_size: int, hidden: int, layers: int, seed: i
 
     torch.manual_seed(seed)
     cfg = Qwen2Config(
-        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True,
-        eos_token_id=1, pad_token_id=0, bos_token_id=None,
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=None,
     )
     model = AutoModelForCausalLM.from_config(cfg)
     model.save_pretrained(folder)
@@ -77,21 +84,42 @@ def small_config(**groups):
     from opd_exp.config.world import ModelPairConfig, TaskConfig
 
     enum_of = {
-        ("divergence", "name"): S.DivergenceName, ("estimator", "name"): S.EstimatorName,
-        ("loss", "name"): S.LossName, ("loss", "credit"): S.Credit, ("trainer", "schedule"): S.Schedule,
-        ("trainer", "precision"): S.Precision, ("logger", "name"): S.LoggerName,
+        ("divergence", "name"): S.DivergenceName,
+        ("estimator", "name"): S.EstimatorName,
+        ("loss", "name"): S.LossName,
+        ("loss", "credit"): S.Credit,
+        ("trainer", "schedule"): S.Schedule,
+        ("trainer", "precision"): S.Precision,
+        ("logger", "name"): S.LoggerName,
     }
     base = {
-        "trainer": dict(max_steps=3, batch_size=4, lr=1e-2, warmup_steps=0, eval_every=0, eval_size=4,
-                        eval_batch_size=4, save_every=0, device="cpu", progress=False, schedule="constant"),
+        "trainer": dict(
+            max_steps=3,
+            batch_size=4,
+            lr=1e-2,
+            warmup_steps=0,
+            eval_every=0,
+            eval_size=4,
+            eval_batch_size=4,
+            save_every=0,
+            device="cpu",
+            progress=False,
+            schedule="constant",
+        ),
         "rollout": dict(max_new_tokens=4, max_prompt_tokens=8),
         "logger": dict(name="none"),
     }
     for g, fields in groups.items():
         base.setdefault(g, {}).update(fields)
     kwargs = {}
-    cls = {"divergence": S.DivergenceConfig, "estimator": S.EstimatorConfig, "loss": S.LossConfig,
-           "rollout": S.RolloutConfig, "trainer": S.TrainerConfig, "logger": S.LoggerConfig}
+    cls = {
+        "divergence": S.DivergenceConfig,
+        "estimator": S.EstimatorConfig,
+        "loss": S.LossConfig,
+        "rollout": S.RolloutConfig,
+        "trainer": S.TrainerConfig,
+        "logger": S.LoggerConfig,
+    }
     for g, fields in base.items():
         conv = {k: (enum_of[(g, k)](v) if (g, k) in enum_of and isinstance(v, str) else v) for k, v in fields.items()}
         kwargs[g] = cls[g](**conv)

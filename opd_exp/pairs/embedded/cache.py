@@ -15,8 +15,9 @@ import json
 import logging
 import os
 import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 from opd_exp.runtime import files
 
@@ -39,7 +40,7 @@ def key_hash(key: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def entry_path(kind: str, key: Mapping[str, Any], root: Optional[Path] = None) -> Path:
+def entry_path(kind: str, key: Mapping[str, Any], root: Path | None = None) -> Path:
     return (root or cache_root()) / f"{kind}-{key_hash(key)}"
 
 
@@ -47,7 +48,7 @@ def read_manifest(path: Path) -> dict:
     return json.loads((Path(path) / MANIFEST).read_text())
 
 
-def check_entry(path: Path) -> Optional[str]:
+def check_entry(path: Path) -> str | None:
     """None when the entry is complete and intact, else the reason it is not."""
     return files.check_manifest(Path(path), MANIFEST)
 
@@ -55,8 +56,8 @@ def check_entry(path: Path) -> Optional[str]:
 def get_or_build(
     kind: str,
     key: Mapping[str, Any],
-    build: Callable[[Path], Optional[Mapping[str, Any]]],
-    root: Optional[Path] = None,
+    build: Callable[[Path], Mapping[str, Any] | None],
+    root: Path | None = None,
 ) -> Path:
     """The folder of the entry for ``key``, building it with ``build(tmp_folder)`` when needed.
 

@@ -11,20 +11,23 @@ import contextlib
 import dataclasses
 import logging
 import os
-import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any
 
 from opd_exp.config.world import (
-    EmbeddedModelConfig, EmbeddedPairConfig, ModelPairConfig, TaskConfig, as_pair_config, as_task_config,
+    EmbeddedModelConfig,
+    EmbeddedPairConfig,
+    TaskConfig,
+    as_pair_config,
+    as_task_config,
 )
-from opd_exp.runtime.errors import ConfigError
 from opd_exp.pairs.embedded import cache
+from opd_exp.pairs.embedded.tokenizer import SPECIAL_TOKENS, TOKENIZER_CLASS, load_tokenizer, save_tokenizer
 from opd_exp.runtime import files
 from opd_exp.tasks.arithmetic import ArithmeticSpec, eval_split, train_split
-from opd_exp.pairs.embedded.tokenizer import SPECIAL_TOKENS, TOKENIZER_CLASS, load_tokenizer, save_tokenizer
 
 log = logging.getLogger("opd_exp.pairs")
 
@@ -119,9 +122,9 @@ def _build_tokenizer(folder: Path) -> dict:
 
 
 def _build_model(folder: Path, role: str, pair: EmbeddedPairConfig, task: TaskConfig, tok_dir: Path, progress: bool) -> dict:
-    from opd_exp.tasks.arithmetic import ArithmeticTask
     from opd_exp.pairs.embedded.models import build_model, count_parameters, save_model
     from opd_exp.pairs.embedded.sft import sft_train
+    from opd_exp.tasks.arithmetic import ArithmeticTask
     from opd_exp.training.evaluate import evaluate_accuracy
 
     recipe: EmbeddedModelConfig = getattr(pair, role)
@@ -133,8 +136,14 @@ def _build_model(folder: Path, role: str, pair: EmbeddedPairConfig, task: TaskCo
     seed = pair.seed * 2 + (0 if role == "teacher" else 1)
     model = build_model(recipe, tokenizer, seed=seed)
     fit = sft_train(
-        model, tokenizer, problems, steps=recipe.sft_steps, batch_size=recipe.batch_size, lr=recipe.lr,
-        seed=seed, progress=f"{role} SFT" if progress else False,
+        model,
+        tokenizer,
+        problems,
+        steps=recipe.sft_steps,
+        batch_size=recipe.batch_size,
+        lr=recipe.lr,
+        seed=seed,
+        progress=f"{role} SFT" if progress else False,
     )
     checks = evals[: pair.n_check]
     started = time.perf_counter()
@@ -177,7 +186,8 @@ def prepare_embedded(pair_cfg: Any = None, task_cfg: Any = None, *, progress: bo
         folders = {}
         for role in ("teacher", "student"):
             folders[role] = cache.get_or_build(
-                f"embedded-{role}", keys[role],
+                f"embedded-{role}",
+                keys[role],
                 lambda tmp, role=role: _build_model(tmp, role, pair, task, tok_dir, progress),
             )
     info = {role: cache.read_manifest(folders[role]).get("info", {}) for role in folders}

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from opd_exp.tasks.base import Problem, render_prompt
 
@@ -35,25 +36,16 @@ def encode_sft(tokenizer: Any, problems: Sequence[Problem]):
     return ids, mask, lengths
 
 
-def _length_bucketed_batches(lengths, batch_size: int, gen, group: int = 8) -> list:
-    """One epoch of random batches, each drawn from ``group`` batches' worth of similar lengths.
-
-    Padding to the longest row is wasted compute; sorting inside small random groups cuts
-    it by about a fifth while every batch stays a random sample.
-    """
+def _epoch_batches(lengths, batch_size: int, gen) -> list:
+    """One epoch of random batches in random order (fewer problems than one batch: all of
+    them). Rows inside a batch are ordered by length: the cached pairs were built this way,
+    and the same draws rebuild the same weights."""
     import torch
 
     order = torch.randperm(len(lengths), generator=gen)
-    batches = []
-    span = batch_size * group
-    for start in range(0, len(order) - batch_size + 1, span):
-        chunk = order[start: start + span]
-        chunk = chunk[torch.argsort(lengths[chunk], stable=True)]
-        batches.extend(chunk[i: i + batch_size] for i in range(0, len(chunk) - batch_size + 1, batch_size))
-    if not batches:  # fewer problems than one batch: use them all
-        batches = [order]
-    shuffle = torch.randperm(len(batches), generator=gen).tolist()
-    return [batches[i] for i in shuffle]
+    batches = [order[i : i + batch_size] for i in range(0, len(order) - batch_size + 1, batch_size)]
+    batches = [b[torch.argsort(lengths[b], stable=True)] for b in batches] or [order]
+    return [batches[i] for i in torch.randperm(len(batches), generator=gen).tolist()]
 
 
 def lr_at(step: int, steps: int, lr: float, warmup: int) -> float:
@@ -76,13 +68,11 @@ def sft_train(
     warmup_frac: float = 0.05,
     weight_decay: float = 0.01,
     progress: bool | str = False,
-    on_step: Optional[Callable[[int, float], None]] = None,
-    length_groups: int = 1,
+    on_step: Callable[[int, float], None] | None = None,
 ) -> dict:
     """Train ``model`` in place for ``steps`` steps; returns ``{"loss", "steps", "seconds"}``.
 
-    ``length_groups`` > 1 sorts rows by length inside groups of that many batches (less
-    padding, but more homogeneous batches). ``progress`` shows a tqdm bar (a string is used
+    ``progress`` shows a tqdm bar (a string is used
     as its label). Right padding needs no
     attention mask: with causal attention, padding after a sequence never influences it.
     """
@@ -106,7 +96,7 @@ def sft_train(
     ema = None
     for step in range(steps):
         if not batches:
-            batches = _length_bucketed_batches(lengths, batch_size, gen, group=length_groups)
+            batches = _epoch_batches(lengths, batch_size, gen)
         idx = batches.pop()
         width = int(lengths[idx].max())
         x, m = ids[idx, :width], mask[idx, :width]
