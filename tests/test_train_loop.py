@@ -176,3 +176,35 @@ def test_wandb_logger_offline(tiny_pair, tmp_path, monkeypatch):
     assert (tmp_path / "wandb_id.txt").is_file()
     assert list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(read_metrics(tmp_path)) == 3
+
+
+OLD_RUN = Path(__file__).resolve().parent / "data" / "old_checkpoint_run"
+
+
+def test_a_checkpoint_written_before_the_redesign_still_resumes(tiny_dir, tmp_path):
+    """tests/data/old_checkpoint_run was written by the flat-module trainer (manifest with sizes
+    only, untyped loop state), stopped after step 3 with its checkpoint at step 2: resumed by
+    today's code it ends exactly like an uninterrupted run of today's code."""
+    import shutil
+
+    groups = dict(
+        estimator={"name": "sampled"},
+        loss={"name": "ppo"},
+        divergence={"name": "jsd"},
+        trainer={"max_steps": 4, "save_every": 2, "eval_every": 2, "keep_checkpoints": 1},
+    )
+    assert "sizes" in json.loads((OLD_RUN / "checkpoints" / "step_000002" / "manifest.json").read_text())
+    straight = Trainer(small_config(**groups), tmp_path / "a", pair=load_pair(tiny_dir), task=AddTask())
+    straight.run()
+    shutil.copytree(OLD_RUN, tmp_path / "b")
+    resumed = Trainer(small_config(**groups), tmp_path / "b", pair=load_pair(tiny_dir), task=AddTask())
+    resumed.run()
+    assert resumed.state.eval_before["eval/kl_reverse"] == straight.state.eval_before["eval/kl_reverse"]
+    a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
+    assert [r["step"] for r in b] == [r["step"] for r in a] == [0, 1, 2, 3, 4]
+    for ra, rb in zip(a, b):
+        for key in ra:
+            if not key.startswith("perf/"):
+                assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-9), (ra["step"], key)
+    for pa, pb in zip(straight.student.parameters(), resumed.student.parameters()):
+        torch.testing.assert_close(pa, pb, atol=0, rtol=0)
