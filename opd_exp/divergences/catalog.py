@@ -264,11 +264,12 @@ class SkewForwardKL(Divergence):
         return _zero_where(t == _NEG_INF, t.exp() * (t - self._log_m(s, t)))
 
     def pointwise_grad(self, s, t):
-        # -(1-alpha) T S / M
-        return -(1.0 - self.alpha) * (t + s - self._log_m(s, t)).exp()
+        # -(1-alpha) T S / M; 0 where either has no mass (both -inf would give exp(NaN))
+        none = (s == _NEG_INF) | (t == _NEG_INF)
+        return _zero_where(none, -(1.0 - self.alpha) * (t + s - self._log_m(s, t)).exp())
 
     def token_score(self, s, t):
-        return -(1.0 - self.alpha) * (t - self._log_m(s, t)).exp()
+        return _zero_where(t == _NEG_INF, -(1.0 - self.alpha) * (t - self._log_m(s, t)).exp())
 
     def pointwise_over_prob(self, s, t):
         return _zero_where(t == _NEG_INF, (t - s).exp() * (t - self._log_m(s, t)))
