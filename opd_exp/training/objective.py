@@ -65,6 +65,28 @@ class Output:
     maxes: dict[str, float] = field(default_factory=dict)  # metric name -> a maximum over tokens
 
 
+class Tally(dict):
+    """A step's metrics over its micro-batches: per-token sums (the dict itself), counts
+    (``rollout/outside_filter_tokens``) and maxima (``rollout/logprob_gap_max``)."""
+
+    def __init__(self, sums=(), counts=None, maxes=None):
+        super().__init__(sums)
+        self.counts: dict[str, float] = dict(counts or {})
+        self.maxes: dict[str, float] = dict(maxes or {})
+
+    def add(self, out: Output) -> None:
+        for k, v in out.sums.items():
+            self[k] = self.get(k, 0.0) + v
+        for k, v in out.counts.items():
+            self.counts[k] = self.counts.get(k, 0.0) + v
+        for k, v in out.maxes.items():
+            self.maxes[k] = max(self.maxes.get(k, v), v)
+
+    def metrics(self, n_tokens: int) -> dict[str, float]:
+        """Per-token means over the step's ``n_tokens`` response tokens, then counts and maxima."""
+        return {**{k: v / max(n_tokens, 1) for k, v in self.items()}, **self.counts, **self.maxes}
+
+
 def metric_beta(cfg: TrainConfig) -> float:
     """`jsd/mean` is at the configured beta for jsd, and at 0.5 for every other divergence."""
     return cfg.divergence.beta if cfg.divergence.name.value == "jsd" else 0.5
@@ -87,6 +109,12 @@ class Objective:
         self.filtered = cfg.rollout.filtered  # top-k/top-p: values need the filtered-mass term
         # the clip bites only where a sampled cost is used: estimator=sampled, and topk's tail
         self.report_clip = cfg.divergence.name.value == "fkl" and cfg.divergence.clip is not None
+
+    @property
+    def token_metric_names(self) -> tuple[str, ...]:
+        """The per-token metrics this objective reports on a student-sampled step."""
+        names = [*TOKEN_METRICS, *(EXACT_METRICS if self.cfg.trainer.exact_metrics else ()), *AGREEMENT_METRICS]
+        return tuple(k for k in names if not (self.filtered and k in FORWARD_KL_METRICS))
 
     def __call__(
         self,
