@@ -370,6 +370,9 @@ def generate(
         processors = [_SamplingTransform(vocab_size, temperature, top_k, top_p), recorder]
     else:  # greedy: argmax of the model's logits on the tokenizer's ids (no filter changes it)
         processors = [_VocabLimit(vocab_size)] if vocab_size else []
+    if not kwargs["do_sample"]:  # sampling-only flags: transformers warns when they are set for argmax
+        for key in ("temperature", "top_k", "top_p", "typical_p", "epsilon_cutoff", "eta_cutoff"):
+            del kwargs[key]
     gen_cfg = GenerationConfig(**kwargs)
     was_training = model.training
     model.eval()
