@@ -99,3 +99,56 @@ def test_the_ignored_settings_are_named_once(shipping_pair, tmp_path, monkeypatc
         "repetition_penalty=1.3, no_repeat_ngram_size=2; rollouts and evaluation ignore it "
         "(they sample exactly rollout.temperature/top_k/top_p, and greedy eval is plain argmax)"
     ]
+
+
+def _dropout_pair(tiny_dir, tmp_path, attention_dropout):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir / "tokenizer")
+    student = AutoModelForCausalLM.from_pretrained(tiny_dir / "student", attention_dropout=attention_dropout)
+    assert student.config.attention_dropout == attention_dropout
+    return SimpleNamespace(
+        student=student, teacher=AutoModelForCausalLM.from_pretrained(tiny_dir / "teacher"), tokenizer=tok, vocab_size=len(tok)
+    )
+
+
+@pytest.mark.parametrize(
+    "attention_dropout,trainer",
+    [
+        (0.0, {"lora_rank": 4, "lora_dropout": 0.3, "lora_target_modules": ["q_proj", "v_proj"]}),
+        (0.5, {}),
+        (0.5, {"grad_checkpointing": True}),
+    ],
+    ids=["lora_dropout", "attention_dropout", "attention_dropout_checkpointed"],
+)
+def test_scoring_runs_with_dropout_off_and_keeps_gradients(tiny_dir, tmp_path, attention_dropout, trainer):
+    """The student is scored as it sampled (dropout off): the logged gap is float-level, and the
+    gradient equals the one of the model in eval mode (with activation checkpointing too)."""
+    from opd_exp.training.trainer import Trainer
+
+    pair = _dropout_pair(tiny_dir, tmp_path, attention_dropout)
+    cfg = small_config(
+        divergence={"name": "rkl"}, estimator={"name": "sampled"}, loss={"name": "reinforce"}, trainer={"batch_size": 4, **trainer}
+    )
+    t = Trainer(cfg, tmp_path, pair=pair, task=AddTask())
+    batch = t.sample(0)
+    assert t.student.training  # the loop's mode: dropout modules would be live
+    t.optimizer.zero_grad(set_to_none=True)
+    _, tally = t.accumulate(batch)
+    assert tally["rollout/logprob_gap"] / batch.num_response_tokens < 1e-5
+    assert tally.maxes["rollout/logprob_gap_max"] < 1e-5
+    got = [p.grad.detach().clone() for p in t.params]
+    assert sum(float(g.abs().sum()) for g in got) > 0  # (LoRA B starts at 0: A gets none yet)
+    # the same loss with every module in eval mode (no dropout, no checkpointing)
+    t.optimizer.zero_grad(set_to_none=True)
+    t.student.eval()
+    _, again = t.accumulate(batch)
+    t.student.train()
+    for a, b in zip(got, (p.grad for p in t.params)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert again["student/logprob_mean"] == pytest.approx(tally["student/logprob_mean"], rel=1e-6)
+    # modes are restored after scoring: dropout_off is a scope, not a switch
+    modes = {name: m.training for name, m in t.student.named_modules()}
+    with dropout_off(t.student):
+        assert not any(m.training for m in t.student.modules() if isinstance(m, torch.nn.Dropout))
+    assert modes == {name: m.training for name, m in t.student.named_modules()}
