@@ -16,14 +16,15 @@ import torch
 from helpers.tiny import small_config
 from opd_exp.config import schema as S
 from opd_exp.runtime.errors import ConfigError
-from opd_exp.training.rollout import sampling_logits
 from opd_exp.training.objective import logprob_gap
+from opd_exp.training.rollout import sampling_logits
 from opd_exp.training.rollout_vllm import NEUTRAL_SAMPLING, PROCESSED, VllmRollout, require_vllm
 from opd_exp.training.scoring import student_logits, token_logprobs
 
 
 def logprob_gap_sum(engine_lp, trainer_lp, mask):
     return logprob_gap(engine_lp, trainer_lp, mask)[0]
+
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 

@@ -7,10 +7,12 @@ phi(y) / S(y) estimates the sum over the support alone:
     D = sum_{v: S_v > 0} phi(s_v, t_v) + F,    F = sum_{v: S_v = 0} phi(-inf, t_v).
 
 F is a function of the teacher's log-probs and the filter mask only (both at hand), so it is
-added exactly: ``token_value(y) + F`` is unbiased for D again. F is 0 for divergences whose
-phi vanishes where S = 0 (rkl, srkl); -beta*log(beta) * T(filtered) for jsd, -log(alpha) *
-T(filtered) for skl, T(filtered)/2 for tvd, and +inf for fkl wherever the teacher puts mass
-on a filtered entry (KL(T||S) is infinite: the trainer refuses fkl with a filter).
+added exactly: ``token_value(y) + F`` is unbiased for D again (each divergence says what an
+entry outside the support adds, ``Divergence.outside_value``). F is 0 for divergences whose
+phi vanishes where S = 0 (rkl, srkl) and for tvd (its one-sided value (1 - r)_+ already sums
+to the whole TVD); -beta*log(beta) * T(filtered) for jsd, -log(alpha) * T(filtered) for skl,
+and +inf for fkl wherever the teacher puts mass on a filtered entry (KL(T||S) is infinite:
+the trainer refuses fkl with a filter).
 F does not depend on the student's logits inside the support, so it adds nothing to the
 gradient: only values (metrics, sequence credit) need it.
 """
@@ -43,7 +45,7 @@ def filtered_value(
     exclude_ids: torch.Tensor | None = None,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
-    """F per position, ``[..., V] -> [...]``: sum of phi(-inf, t_v) over the entries where the
+    """F per position, ``[..., V] -> [...]``: sum of ``outside_value(t_v)`` over the entries where the
     student's (filtered) distribution is 0; no gradient. ``exclude_ids`` ``[..., k]``: entries
     left out of the sum (the top-k estimator computes them exactly already). Positions where
     ``mask`` is false give 0. Works a chunk of rows at a time."""
@@ -63,6 +65,6 @@ def filtered_value(
         if not outside.any():
             continue
         t = torch.log_softmax(zt[idx].to(dtype), dim=-1)
-        phi = div.pointwise(torch.full_like(t, float("-inf")), t)
+        phi = div.outside_value(t)
         out[idx] = torch.where(outside, phi, torch.zeros((), dtype=dtype, device=phi.device)).sum(-1)
     return out.reshape(lead)

@@ -154,7 +154,9 @@ class Objective:
             want_exact = cfg.trainer.exact_metrics or not on_policy
             exact = {}
             if want_exact:
-                exact = {name: d.full(zs, teacher_z, mask=m, chunk_size=chunk) for name, d in zip(EXACT_METRICS, (self.jsd, self.rkl, self.fkl))}
+                exact = {
+                    name: d.full(zs, teacher_z, mask=m, chunk_size=chunk) for name, d in zip(EXACT_METRICS, (self.jsd, self.rkl, self.fkl))
+                }
             if on_policy:  # unbiased single-sample estimates under y ~ S
                 jsd, rkl = (self.value(d, s0, t, zs, teacher_z, m) for d in (self.jsd, self.rkl))
                 fkl = None if self.filtered else self.fkl.token_value(s0, t)

@@ -35,8 +35,9 @@ FILTERED_LOGIT = -1e9
 
 
 def sampling_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """The logits of the distribution actually sampled from (fp32): tempered, then filtered."""
-    z = logits.float()
+    """The logits of the distribution actually sampled from (fp32, or fp64 if given): tempered,
+    then filtered."""
+    z = logits if logits.dtype == torch.float64 else logits.float()
     if temperature != 1.0:
         z = z / temperature
     if top_k > 0 and top_k < z.shape[-1]:
@@ -77,7 +78,7 @@ class _SamplingTransform:
     def __call__(self, input_ids, scores):
         V = min(self.vocab_size or scores.shape[-1], scores.shape[-1])
         z = sampling_logits(scores[:, :V], self.temperature, self.top_k, self.top_p)
-        if V == scores.shape[-1]:
+        if scores.shape[-1] == V:
             return z
         out = torch.full(scores.shape, float("-inf"), dtype=z.dtype, device=z.device)
         out[:, :V] = z
@@ -283,7 +284,7 @@ def checkpoint_sampling_settings(model) -> dict[str, Any]:
     found = {}
     for key in _SAMPLING_KEYS:
         value = getattr(gen, key, None)
-        if value is None or value is False or value == NEUTRAL_GENERATION.get(key, None):
+        if value is None or value is False or value == NEUTRAL_GENERATION.get(key):
             continue
         found[key] = value
     return found

@@ -259,4 +259,3 @@ class VllmRollout(RolloutEngine):
             source=self.source,
             sampling_logprobs=logprobs if self.processed else None,
         )
-

@@ -47,10 +47,10 @@ from opd_exp.training.evaluate import Evaluator
 from opd_exp.training.objective import TOKEN_METRICS, Objective, Tally, metric_beta
 from opd_exp.training.rollout import HfRollout, RolloutEngine, checkpoint_sampling_settings
 from opd_exp.training.scoring import InProcessTeacher, dropout_off, student_logits
+from opd_exp.training.state import DataCursor, TrainState
 
 # rollout/logprob_gap above this (nats per token): the engine samples another distribution
 LOGPROB_GAP_WARN = 1e-3
-from opd_exp.training.state import DataCursor, TrainState
 
 
 def require_extras(cfg: TrainConfig) -> None:
