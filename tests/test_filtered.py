@@ -275,3 +275,12 @@ def test_objective_sequence_returns_use_the_filtered_values():
     live = S > 0
     expected_cost = sum(float((S[i][live[i]] * d.token_cost(s[i][live[i]], t[i][live[i]])).sum()) for i in range(2))
     assert mean == pytest.approx(-(expected_cost + float(d.full(zf, zt)[0, 1])), rel=1e-9)
+
+
+def test_the_public_check_covers_every_registered_divergence():
+    from opd_exp.divergences.check import filtered_value_error, random_pair
+
+    for name, params in every_divergence():
+        zs, zt = random_pair(3, vocab=8)
+        err = filtered_value_error(get_divergence(name, **params), zs, zt, top_k=3)
+        assert math.isnan(err) if name == "fkl" else abs(err) < 1e-12, (name, err)

@@ -134,15 +134,17 @@ class Objective:
         s = token_logprobs(student_z, response_ids)  # log S(y_t), with grad
         t = token_logprobs(teacher_z, response_ids).detach()  # log T(y_t)
         s0 = s.detach()
-        # A sampled token our distribution gives probability 0 (outside the recomputed
-        # top-k/top-p set): log S = -1e9, a cost of ~-1e9. Out of the loss and the metrics.
-        outside = mask.bool() & (s0.exp() == 0) if on_policy else torch.zeros_like(mask, dtype=torch.bool)
-        m = mask.bool() & ~outside
+        # A token our (filtered) distribution gives probability 0: log S = -1e9. Sampled by the
+        # student, it is outside the recomputed top-k/top-p set (engine numerics): a cost of
+        # ~-1e9, kept out of the loss and the metrics. Sampled by the teacher, the exact loss is
+        # defined anyway; only the log S metric leaves it out.
+        outside = mask.bool() & (s0.exp() == 0)
+        m = mask.bool() & ~outside if on_policy else mask.bool()
 
         if not on_policy:
-            exact = self.div.full(student_z, teacher_z, mask=m, chunk_size=chunk)
-            per_token = kl_coef * exact
-            advantages = -kl_coef * exact.detach()
+            d_exact = self.div.full(student_z, teacher_z, mask=m, chunk_size=chunk)
+            per_token = kl_coef * d_exact
+            advantages = -kl_coef * d_exact.detach()
             clipped = None
         else:
             per_token, advantages, clipped = self._on_policy(student_z, teacher_z, response_ids, m, s, t)
@@ -151,17 +153,16 @@ class Objective:
 
         with torch.no_grad():
             zs = student_z.detach()
-            want_exact = cfg.trainer.exact_metrics or not on_policy
             exact = {}
-            if want_exact:
-                exact = {
-                    name: d.full(zs, teacher_z, mask=m, chunk_size=chunk) for name, d in zip(EXACT_METRICS, (self.jsd, self.rkl, self.fkl))
-                }
+            if cfg.trainer.exact_metrics or not on_policy:
+                for name, d in zip(EXACT_METRICS, (self.jsd, self.rkl, self.fkl)):
+                    if not (self.filtered and name in FORWARD_KL_METRICS):  # infinite: not computed
+                        exact[name] = d.full(zs, teacher_z, mask=m, chunk_size=chunk)
             if on_policy:  # unbiased single-sample estimates under y ~ S
                 jsd, rkl = (self.value(d, s0, t, zs, teacher_z, m) for d in (self.jsd, self.rkl))
                 fkl = None if self.filtered else self.fkl.token_value(s0, t)
             else:  # y is the teacher's: estimate exactly over the vocabulary instead
-                jsd, rkl, fkl = (exact[k] for k in EXACT_METRICS)
+                jsd, rkl, fkl = (exact.get(k) for k in EXACT_METRICS)
             values = {
                 "jsd/mean": jsd,
                 "kl/reverse": rkl,
@@ -180,6 +181,7 @@ class Objective:
             if clipped is not None:
                 values["cost/clipped_frac"] = clipped.to(s0.dtype)
             sums = {k: float(torch.where(m, v.to(zero.dtype), zero).sum()) for k, v in values.items()}
+            sums["student/logprob_mean"] = float(torch.where(m & ~outside, s0, zero).sum())
             counts = {"rollout/outside_filter_tokens": float(outside.sum())} if on_policy else {}
             maxes = {}
             if engine_logprobs is not None and on_policy:  # the engine's log-probs of its samples vs ours
