@@ -93,7 +93,9 @@ def test_the_ignored_settings_are_named_once(shipping_pair, tmp_path, monkeypatc
     lines = []
     monkeypatch.setattr(Trainer, "warn", lambda self, line: lines.append(line))
     cfg = small_config(divergence={"name": "rkl"}, estimator={"name": "sampled"}, loss={"name": "reinforce"})
-    Trainer(cfg, tmp_path, pair=shipping_pair, task=AddTask())
+    trainer = Trainer(cfg, tmp_path, pair=shipping_pair, task=AddTask())
+    m = trainer.train_step()  # and a training step samples the trainer's distribution
+    assert m["rollout/logprob_gap"] < 1e-5 and m["rollout/logprob_gap_max"] < 1e-5
     assert lines == [
         "opd-train: warning: the student's generation_config sets do_sample=True, min_p=0.2, temperature=0.5, top_k=3, "
         "repetition_penalty=1.3, no_repeat_ngram_size=2; rollouts and evaluation ignore it "
