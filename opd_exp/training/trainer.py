@@ -316,11 +316,12 @@ class Trainer:
         dt = time.perf_counter() - t0
         metrics = tally.metrics(n_global)
         gap = metrics.get("rollout/logprob_gap", 0.0)
-        if gap > LOGPROB_GAP_WARN:
+        if gap > LOGPROB_GAP_WARN and "logprob_gap" not in self._warned:  # once per run: the metric tracks it
+            self._warned.add("logprob_gap")
             self.warn(
                 f"opd-train: warning: step {step}: rollout/logprob_gap={gap:.2e} > {LOGPROB_GAP_WARN:g} "
                 f"(max {metrics.get('rollout/logprob_gap_max', gap):.2e}): the rollout engine's log-probs of its samples "
-                "differ from the trainer's, so the trained distribution is not the sampled one"
+                "differ from the trainer's, so the trained distribution is not the sampled one (said once; watch the metric)"
             )
         metrics.update(
             {
