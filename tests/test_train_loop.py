@@ -30,6 +30,16 @@ STEP_METRICS = (
     "lr",
 )
 EVAL_METRICS = ("eval/accuracy", "eval/jsd", "eval/kl_reverse", "eval/kl_forward")
+# on by default, every step (docs/training.md)
+MONITORS = (
+    "exact/jsd",
+    "exact/kl_reverse",
+    "exact/kl_forward",
+    "teacher/entropy",
+    "overlap/teacher_mass",
+    "overlap/student_mass",
+    "overlap/ratio",
+)
 
 
 def load_pair(tiny_dir: Path):
@@ -63,6 +73,13 @@ def read_metrics(run_dir: Path) -> list[dict]:
             estimator={"name": "sampled"},
             loss={"name": "reinforce"},
             divergence={"name": "fkl", "clip": 5.0},
+            rollout={"on_policy_fraction": 0.5, "temperature": 0.8, "n_samples": 2},
+            trainer={"micro_batch_size": 3},
+        ),
+        dict(
+            estimator={"name": "sampled"},
+            loss={"name": "reinforce", "credit": "sequence"},
+            divergence={"name": "jsd", "beta": 0.5},
             rollout={"on_policy_fraction": 0.5, "temperature": 0.8, "top_k": 8, "top_p": 0.95, "n_samples": 2},
             trainer={"micro_batch_size": 3},
         ),
@@ -73,12 +90,22 @@ def test_each_loss_form_and_estimator_writes_finite_metrics(groups, tiny_pair, t
     summary = Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask()).run()
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    # under top-k/top-p KL(T||S) is infinite: not logged (never a large finite stand-in)
+    forward = ("kl/forward", "exact/kl_forward", "eval/kl_forward") if cfg.rollout.filtered else ()
     for key in EVAL_METRICS:
+        if key in forward:
+            assert key not in rows[0] and key not in rows[-1]
+            continue
         assert math.isfinite(rows[0][key]) and math.isfinite(rows[-1][key])
     assert "eval/teacher_accuracy" in rows[0]
     for r in rows[1:]:
-        for key in STEP_METRICS:
+        for key in STEP_METRICS + MONITORS:
+            if key in forward:
+                assert key not in r, key
+                continue
             assert isinstance(r[key], float) and math.isfinite(r[key]), (key, r[key])
+        if r["rollout/on_policy"] == 1.0:
+            assert r["rollout/logprob_gap"] < 1e-5 and r["rollout/outside_filter_tokens"] == 0.0
         assert r["kl/reverse"] > -1.0 and r["response/length_mean"] >= 1
     if groups.get("divergence", {}).get("clip"):
         assert all(0.0 <= r["cost/clipped_frac"] <= 1.0 for r in rows[1:] if r["rollout/on_policy"] == 1.0)

@@ -16,9 +16,15 @@ import torch
 from helpers.tiny import small_config
 from opd_exp.config import schema as S
 from opd_exp.runtime.errors import ConfigError
+from opd_exp.training.objective import logprob_gap
 from opd_exp.training.rollout import sampling_logits
-from opd_exp.training.rollout_vllm import PROCESSED, VllmRollout, logprob_gap_sum, require_vllm
+from opd_exp.training.rollout_vllm import NEUTRAL_SAMPLING, PROCESSED, VllmRollout, require_vllm
 from opd_exp.training.scoring import student_logits, token_logprobs
+
+
+def logprob_gap_sum(engine_lp, trainer_lp, mask):
+    return logprob_gap(engine_lp, trainer_lp, mask)[0]
+
 
 HAS_VLLM = importlib.util.find_spec("vllm") is not None
 
@@ -183,9 +189,33 @@ def test_make_llm_asks_for_processed_logprobs(monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=NewLLM))
     _, processed = VllmRollout.make_llm(model="m")
     assert processed and seen["logprobs_mode"] == "processed_logprobs"
+    # the checkpoint's generation_config.json is not vLLM's default sampling settings
+    assert seen["generation_config"] == "vllm"
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=OldLLM))
     _, processed = VllmRollout.make_llm(model="m")
     assert not processed
+
+    class MidLLM:  # logprobs_mode but no generation_config argument
+        def __init__(self, model, **kw):
+            if "generation_config" in kw:
+                raise TypeError("__init__() got an unexpected keyword argument 'generation_config'")
+            seen.clear()
+            seen.update(kw)
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=MidLLM))
+    _, processed = VllmRollout.make_llm(model="m")
+    assert processed and seen == {"logprobs_mode": "processed_logprobs"}
+
+
+def test_every_request_spells_out_neutral_sampling_settings(tiny_pair):
+    """No penalty, min_p, bias or banned words can come from the engine's defaults: each
+    request names the neutral value; greedy is temperature 0."""
+    eng = _engine(tiny_pair, PROCESSED)
+    for greedy in (False, True):
+        sp = eng._params(3, greedy=greedy)
+        for key, value in NEUTRAL_SAMPLING.items():
+            assert getattr(sp, key) == value, key
+        assert sp.temperature == (0.0 if greedy else 0.7)
 
 
 def test_sync_weights_pushes_the_student_once_per_version(tiny_pair):
@@ -213,6 +243,7 @@ def test_trainer_with_the_fake_engine_syncs_every_step(tiny_pair, add_task, tmp_
     monkeypatch.setattr(VllmRollout, "sampling_params_class", staticmethod(lambda: FakeSamplingParams))
     tiny_pair.student.name_or_path = "tiny-student"
     cfg = small_config(
+        divergence=dict(name="rkl"),
         rollout=dict(engine=S.RolloutEngine.vllm, temperature=0.8, top_k=6),
         estimator=dict(name="sampled"),
         loss=dict(name="reinforce"),
@@ -223,8 +254,8 @@ def test_trainer_with_the_fake_engine_syncs_every_step(tiny_pair, add_task, tmp_
     assert t.engine.version == 2 and len(t.engine.llm.loads) == 3  # before steps 1, 2, 3
     assert t.engine.llm.kwargs["model"] == "tiny-student"
     for m in out:
-        assert m["rollout/engine_logprob_gap"] < 1e-4
+        assert m["rollout/logprob_gap"] < 1e-4 and m["rollout/logprob_gap_max"] < 1e-3
     # negative control: an engine left on stale weights shows up in the gap
     monkeypatch.setattr(VllmRollout, "sync_weights", lambda self, student, version: False)
     stale = [t.train_step() for _ in range(2)]
-    assert stale[-1]["rollout/engine_logprob_gap"] > 1e-3, stale[-1]["rollout/engine_logprob_gap"]
+    assert stale[-1]["rollout/logprob_gap"] > 1e-3, stale[-1]["rollout/logprob_gap"]

@@ -60,7 +60,9 @@ class LossName(Enum):
 
 class Credit(Enum):
     token = "token"  # prefix-frozen per-token objective (GKD)
-    sequence = "sequence"  # whole-sequence divergence: future values added to the return
+    # gradient of E_S[sum_t D_t] (future values added to the return); this is the
+    # whole-sequence divergence only for rkl (KL has a chain rule, the others do not)
+    sequence = "sequence"
 
 
 class Schedule(Enum):
@@ -109,7 +111,8 @@ class DivergenceConfig:
     alpha: float = 0.1
     # divides the TEACHER's logits; the student side is the rollout's sampling distribution
     temperature: float = 1.0
-    # fkl only: clip of the importance weight exp(t - s) in the sampled cost (null: no clip)
+    # fkl only: clip of the importance weight exp(t - s) in the sampled cost (null: no clip);
+    # bites with estimator=sampled and in topk's sampled tail, nowhere else
     clip: float | None = None
 
     def __post_init__(self) -> None:
@@ -150,7 +153,8 @@ class LossConfig:
     name: LossName = LossName.direct
     # scale of the distillation term (Trinity-RFT kl_coef, AReno opd_kl_coef)
     kl_coef: float = 1.0
-    # token: prefix-frozen per-token objective; sequence: whole-sequence divergence
+    # token: prefix-frozen per-token objective (GKD); sequence: the gradient of E_S[sum_t D_t]
+    # (prefix distribution moves too), the whole-sequence divergence only for rkl
     credit: Credit = Credit.token
     # discount of future values in sequence credit, [0, 1]
     gamma: float = 1.0
@@ -171,9 +175,11 @@ class RolloutConfig:
     n_samples: int = 1
     # sampling temperature (divides the student's logits; also the student side of D)
     temperature: float = 1.0
-    # nucleus sampling mass (1.0: off)
+    # nucleus sampling mass (1.0: off); the student side of D is the filtered distribution,
+    # so fkl (and jsd at beta=0) is infinite under a filter and refused
     top_p: float = 1.0
-    # top-k sampling (0: off)
+    # top-k sampling (0: off); same as top_p for fkl. A checkpoint's own generation_config
+    # (repetition_penalty, no_repeat_ngram_size, min_p, ...) is never applied to rollouts
     top_k: int = 0
     # prompts longer than this are truncated from the left
     max_prompt_tokens: int = 256
@@ -272,6 +278,11 @@ class TrainerConfig:
     lora_dropout: float = 0.0
     # module names that get adapters (Qwen/Llama attention projections by default)
     lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+    # exact/jsd, exact/kl_reverse, exact/kl_forward every step on the step's own rollout (three
+    # chunked no-grad passes over [tokens, V]); false for very large vocabularies
+    exact_metrics: bool = True
+    # size of the top-k sets of overlap/teacher_mass, overlap/student_mass, overlap/ratio
+    overlap_k: int = 8
 
     def __post_init__(self) -> None:
         tdev = self.teacher_device
@@ -284,6 +295,7 @@ class TrainerConfig:
         _check(isinstance(self.lora_rank, int) and self.lora_rank >= 0, "trainer.lora_rank", self.lora_rank, "integer >= 0 (0: off)")
         _check(_finite(self.lora_alpha) and self.lora_alpha > 0, "trainer.lora_alpha", self.lora_alpha, "> 0")
         _check(_finite(self.lora_dropout) and 0.0 <= self.lora_dropout < 1.0, "trainer.lora_dropout", self.lora_dropout, "0 <= x < 1")
+        _check(isinstance(self.overlap_k, int) and self.overlap_k >= 1, "trainer.overlap_k", self.overlap_k, "integer >= 1")
         _check(len(self.lora_target_modules) >= 1, "trainer.lora_target_modules", self.lora_target_modules, "at least one module name")
         _check(self.max_steps >= 0, "trainer.max_steps", self.max_steps, "integer >= 0")
         _check(self.batch_size >= 1, "trainer.batch_size", self.batch_size, "integer >= 1")
@@ -363,6 +375,23 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _fail("loss.credit", cfg.loss.credit.value, "token with loss=direct (sequence credit needs ppo or reinforce)")
     if cfg.divergence.clip is not None and cfg.divergence.name is not DivergenceName.fkl:
         _fail("divergence.clip", cfg.divergence.clip, f"null for divergence={cfg.divergence.name.value} (clip is fkl's)")
+    if cfg.divergence.clip is not None and est in (EstimatorName.full, EstimatorName.topk_renorm):
+        _fail(
+            "divergence.clip",
+            cfg.divergence.clip,
+            f"null with estimator={est.value} (the clip caps the sampled cost; estimator={est.value} uses none)",
+        )
+    ro, div = cfg.rollout, cfg.divergence
+    forward_kl = div.name is DivergenceName.fkl or (div.name is DivergenceName.jsd and div.beta == 0.0)
+    if forward_kl and ro.filtered:
+        key, value = ("rollout.top_k", ro.top_k) if ro.top_k > 0 else ("rollout.top_p", ro.top_p)
+        name = "fkl" if div.name is DivergenceName.fkl else "jsd with beta=0"
+        _fail(
+            key,
+            value,
+            f"{'0' if key.endswith('top_k') else '1.0'} (off) with divergence={name}: KL(T||S) is infinite where the "
+            "teacher has mass the filter removes; use rkl, jsd (beta > 0), skl, srkl or tvd with a filter",
+        )
     tc = cfg.trainer
     if tc.param_dtype is ParamDtype.bf16 and tc.precision is Precision.fp16:
         _fail("trainer.precision", "fp16", "fp32 or bf16 with trainer.param_dtype=bf16 (fp16 autocast over bf16 weights loses range)")

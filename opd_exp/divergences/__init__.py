@@ -22,6 +22,7 @@ from .catalog import (
     parameter_names,
 )
 from .credit import sequence_returns
+from .filtered import filtered_value, outside_support
 from .full import default_chunk_size
 from .reduce import masked_mean, masked_sum
 from .topk import topk_estimate
@@ -36,9 +37,11 @@ __all__ = [
     "SkewReverseKL",
     "TotalVariation",
     "default_chunk_size",
+    "filtered_value",
     "get_divergence",
     "masked_mean",
     "masked_sum",
+    "outside_support",
     "parameter_names",
     "sequence_returns",
     "topk_estimate",

@@ -75,6 +75,12 @@ class Divergence(ABC):
     def pointwise_over_prob(self, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """phi(s, t) / S in closed form (the importance-weighted single-entry term)."""
 
+    def outside_value(self, t: torch.Tensor) -> torch.Tensor:
+        """What an entry with S = 0 adds to D beyond what ``token_value`` sees from y ~ S (under
+        top-k / top-p such entries are never sampled): phi(-inf, t), unless ``token_value`` is
+        built to account for it (tvd). Summed exactly by ``filtered_value``."""
+        return self.pointwise(torch.full_like(t, _NEG_INF), t)
+
     def clipped(self, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
         """Where the cost was clipped (only fkl with ``clip`` set clips)."""
         return torch.zeros(torch.broadcast_shapes(s.shape, t.shape), dtype=torch.bool, device=s.device)
@@ -264,11 +270,12 @@ class SkewForwardKL(Divergence):
         return _zero_where(t == _NEG_INF, t.exp() * (t - self._log_m(s, t)))
 
     def pointwise_grad(self, s, t):
-        # -(1-alpha) T S / M
-        return -(1.0 - self.alpha) * (t + s - self._log_m(s, t)).exp()
+        # -(1-alpha) T S / M; 0 where either has no mass (both -inf would give exp(NaN))
+        none = (s == _NEG_INF) | (t == _NEG_INF)
+        return _zero_where(none, -(1.0 - self.alpha) * (t + s - self._log_m(s, t)).exp())
 
     def token_score(self, s, t):
-        return -(1.0 - self.alpha) * (t - self._log_m(s, t)).exp()
+        return _zero_where(t == _NEG_INF, -(1.0 - self.alpha) * (t - self._log_m(s, t)).exp())
 
     def pointwise_over_prob(self, s, t):
         return _zero_where(t == _NEG_INF, (t - s).exp() * (t - self._log_m(s, t)))
@@ -325,6 +332,10 @@ class TotalVariation(Divergence):
     def token_value(self, s, t):
         # sum_v (S-T)_+ = TVD too (sum_v (S-T) = 0); one-sided, so bounded in [0, 1].
         return (1.0 - (t - s).exp()).clamp(min=0.0)
+
+    def outside_value(self, t):
+        # (S-T)_+ = 0 where S = 0: the one-sided value already sums to the whole TVD
+        return torch.zeros_like(t)
 
 
 _REGISTRY: dict[str, type[Divergence]] = {

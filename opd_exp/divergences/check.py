@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from opd_exp.divergences import Divergence, get_divergence, topk_estimate
+from opd_exp.divergences import Divergence, filtered_value, get_divergence, topk_estimate
 
 DTYPE = torch.float64
 Cost = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (s, t) over the vocabulary -> c
@@ -90,6 +90,18 @@ def topk_expectations(
     (S * surrogate).sum().backward()
     value = value.detach()
     return z.grad, (S * value).sum(), (S * value**2).sum()
+
+
+def filtered_value_error(div: Divergence, zs: torch.Tensor, zt: torch.Tensor, top_k: int) -> float:
+    """Under a top-k filter of the student (S = 0 outside its top-k): E_{y~S}[token_value(y)]
+    + ``filtered_value`` - D, enumerated; 0 when a divergence's ``outside_value`` matches its
+    ``token_value`` (inf - inf = NaN for fkl, which is infinite under a filter)."""
+    zs, zt = zs.to(DTYPE), zt.to(DTYPE)
+    keep = torch.zeros_like(zs, dtype=torch.bool).scatter_(-1, zs.topk(top_k).indices, True)
+    zf = zs.masked_fill(~keep, float("-inf"))
+    S, s, t = zf.softmax(-1), zf.log_softmax(-1), zt.log_softmax(-1)
+    estimate = (S[keep] * div.token_value(s[keep], t[keep])).sum() + filtered_value(div, zf, zt)
+    return float(estimate - div.pointwise(s, t).sum())
 
 
 # -- the costs seed 001 describes as shipped ----------------------------------

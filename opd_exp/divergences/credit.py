@@ -1,14 +1,16 @@
-"""Sequence-level credit: per-token returns for whole-sequence divergences.
+"""Sequence-level credit: per-token returns for the objective summed along student prefixes.
 
 With per-token costs only, REINFORCE follows the gradient of sum_t D_t with the prefix
-frozen (the GKD objective). The whole-sequence objective J = E_{y~S}[sum_t D_t(y_<t)] also
+frozen (the GKD objective). The sequence objective J = E_{y~S}[sum_t D_t(y_<t)] also
 moves the prefix distribution, which adds the future divergence as a return:
 
     R_t = c_t + sum_{t' > t} gamma^(t'-t) * v_t'
 
 with v_t' an unbiased *value* estimate of D_t' (for rkl v = c, so R is the usual reward-to-go
 of the sequence KL; for jsd v != c because JSD has no chain rule). gamma=1 gives the exact
-gradient of J, gamma=0 the prefix-frozen one.
+gradient of J, gamma=0 the prefix-frozen one. J equals the divergence between whole-sequence
+distributions only for rkl (KL's chain rule); for the others it is J itself that is followed.
+Under a top-k / top-p filter the values must include the filtered mass (``filtered_value``).
 """
 
 from __future__ import annotations

@@ -160,6 +160,17 @@ def all_reduce_sum(values: Sequence[float], ds: DistState) -> list[float]:
     return t.tolist()
 
 
+def all_reduce_max(values: Sequence[float], ds: DistState) -> list[float]:
+    """Element-wise maximum over ranks (float64 on the wire); identity without a process group."""
+    if not ds.active or not values:
+        return [float(v) for v in values]
+    import torch.distributed as dist
+
+    t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=_device_of(ds))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.tolist()
+
+
 def reduce_sums(sums: dict[str, float], keys: Sequence[str], ds: DistState) -> dict[str, float]:
     """All-reduce a dict of per-token sums over a fixed key order (every rank the same keys)."""
     total = all_reduce_sum([sums.get(k, 0.0) for k in keys], ds)

@@ -16,17 +16,27 @@ Estimators (student-sampled batches):
 Teacher-sampled batches (on_policy_fraction < 1): the samples are not from the student, so
 sampled-token costs would be biased; they always use the exact full-vocab loss
 kl_coef * D_t (GKD's choice), whatever the estimator.
+
+Filtered sampling (rollout.top_k / top_p): every value (metrics, sequence-credit returns)
+adds the exact filtered-mass term F (``divergences.filtered``), which a sampled token cannot
+see; a sampled token the trainer's distribution gives probability 0 (engine numerics at the
+filter boundary) is kept out of the loss and the metrics and counted.
+
+Monitors beside the estimates, on the step's own rollout (no grad, chunked): the exact
+divergences (``exact/*``), the teacher's entropy, the top-k agreement of the two
+distributions (``overlap/*``), and how far the engine's log-probs of its samples are from
+the trainer's (``rollout/logprob_gap``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from opd_exp.config.schema import Credit, EstimatorName, LossName, TrainConfig
-from opd_exp.divergences import get_divergence, sequence_returns, topk_estimate
-from opd_exp.training.scoring import entropy, teacher_topk, token_logprobs
+from opd_exp.divergences import filtered_value, get_divergence, sequence_returns, topk_estimate
+from opd_exp.training.scoring import agreement, entropy, teacher_topk, token_logprobs
 
 # Per-token metrics summed over response tokens (divide by the global token count).
 TOKEN_METRICS = (
@@ -38,17 +48,55 @@ TOKEN_METRICS = (
     "teacher/logprob_mean",
     "student/entropy",
 )
+# Exact over the vocabulary on the step's own rollout (trainer.exact_metrics).
+EXACT_METRICS = ("exact/jsd", "exact/kl_reverse", "exact/kl_forward")
+# Per-token agreement of student and teacher (always on).
+AGREEMENT_METRICS = ("teacher/entropy", "overlap/teacher_mass", "overlap/student_mass", "overlap/ratio")
+# Under top-k / top-p KL(T||S) is infinite wherever the teacher has mass the filter removed:
+# these are not logged then (never a large finite stand-in).
+FORWARD_KL_METRICS = ("kl/forward", "exact/kl_forward")
 
 
 @dataclass
 class Output:
     loss: torch.Tensor  # differentiable scalar (already divided by the normalizer)
     sums: dict[str, float]  # metric name -> sum over response tokens
+    counts: dict[str, float] = field(default_factory=dict)  # metric name -> a count (not divided)
+    maxes: dict[str, float] = field(default_factory=dict)  # metric name -> a maximum over tokens
+
+
+class Tally(dict):
+    """A step's metrics over its micro-batches: per-token sums (the dict itself), counts
+    (``rollout/outside_filter_tokens``) and maxima (``rollout/logprob_gap_max``)."""
+
+    def __init__(self, sums=(), counts=None, maxes=None):
+        super().__init__(sums)
+        self.counts: dict[str, float] = dict(counts or {})
+        self.maxes: dict[str, float] = dict(maxes or {})
+
+    def add(self, out: Output) -> None:
+        for k, v in out.sums.items():
+            self[k] = self.get(k, 0.0) + v
+        for k, v in out.counts.items():
+            self.counts[k] = self.counts.get(k, 0.0) + v
+        for k, v in out.maxes.items():
+            self.maxes[k] = max(self.maxes.get(k, v), v)
+
+    def metrics(self, n_tokens: int) -> dict[str, float]:
+        """Per-token means over the step's ``n_tokens`` response tokens, then counts and maxima."""
+        return {**{k: v / max(n_tokens, 1) for k, v in self.items()}, **self.counts, **self.maxes}
 
 
 def metric_beta(cfg: TrainConfig) -> float:
     """`jsd/mean` is at the configured beta for jsd, and at 0.5 for every other divergence."""
     return cfg.divergence.beta if cfg.divergence.name.value == "jsd" else 0.5
+
+
+def logprob_gap(engine_lp: torch.Tensor, trainer_lp: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
+    """(sum, max) over response tokens of |engine log-prob - trainer log-prob|."""
+    m = mask.bool()
+    gap = (engine_lp.to(trainer_lp.device).float() - trainer_lp.detach().float()).abs()[m]
+    return float(gap.sum()), float(gap.max()) if gap.numel() else 0.0
 
 
 class Objective:
@@ -58,7 +106,15 @@ class Objective:
         self.jsd = get_divergence("jsd", beta=metric_beta(cfg))
         self.rkl = get_divergence("rkl")
         self.fkl = get_divergence("fkl")
+        self.filtered = cfg.rollout.filtered  # top-k/top-p: values need the filtered-mass term
+        # the clip bites only where a sampled cost is used: estimator=sampled, and topk's tail
         self.report_clip = cfg.divergence.name.value == "fkl" and cfg.divergence.clip is not None
+
+    @property
+    def token_metric_names(self) -> tuple[str, ...]:
+        """The per-token metrics this objective reports on a student-sampled step."""
+        names = [*TOKEN_METRICS, *(EXACT_METRICS if self.cfg.trainer.exact_metrics else ()), *AGREEMENT_METRICS]
+        return tuple(k for k in names if not (self.filtered and k in FORWARD_KL_METRICS))
 
     def __call__(
         self,
@@ -69,30 +125,44 @@ class Objective:
         *,
         on_policy: bool,
         normalizer: float,
+        engine_logprobs: torch.Tensor | None = None,
     ) -> Output:
         cfg = self.cfg
-        m = mask.bool()
         zero = torch.zeros((), dtype=student_z.dtype, device=student_z.device)
         kl_coef = cfg.loss.kl_coef
         chunk = cfg.estimator.chunk_size
         s = token_logprobs(student_z, response_ids)  # log S(y_t), with grad
         t = token_logprobs(teacher_z, response_ids).detach()  # log T(y_t)
         s0 = s.detach()
+        # A token our (filtered) distribution gives probability 0: log S = -1e9. Sampled by the
+        # student, it is outside the recomputed top-k/top-p set (engine numerics): a cost of
+        # ~-1e9, kept out of the loss and the metrics. Sampled by the teacher, the exact loss is
+        # defined anyway; only the log S metric leaves it out.
+        outside = mask.bool() & (s0.exp() == 0)
+        m = mask.bool() & ~outside if on_policy else mask.bool()
 
         if not on_policy:
-            exact = self.div.full(student_z, teacher_z, mask=m, chunk_size=chunk)
-            per_token = kl_coef * exact
-            advantages = -kl_coef * exact.detach()
+            d_exact = self.div.full(student_z, teacher_z, mask=m, chunk_size=chunk)
+            per_token = kl_coef * d_exact
+            advantages = -kl_coef * d_exact.detach()
+            clipped = None
         else:
-            per_token, advantages = self._on_policy(student_z, teacher_z, response_ids, m, s, t)
+            per_token, advantages, clipped = self._on_policy(student_z, teacher_z, response_ids, m, s, t)
 
         loss = torch.where(m, per_token, zero).sum() / max(float(normalizer), 1.0)
 
         with torch.no_grad():
+            zs = student_z.detach()
+            exact = {}
+            if cfg.trainer.exact_metrics or not on_policy:
+                for name, d in zip(EXACT_METRICS, (self.jsd, self.rkl, self.fkl)):
+                    if not (self.filtered and name in FORWARD_KL_METRICS):  # infinite: not computed
+                        exact[name] = d.full(zs, teacher_z, mask=m, chunk_size=chunk)
             if on_policy:  # unbiased single-sample estimates under y ~ S
-                jsd, rkl, fkl = (d.token_value(s0, t) for d in (self.jsd, self.rkl, self.fkl))
+                jsd, rkl = (self.value(d, s0, t, zs, teacher_z, m) for d in (self.jsd, self.rkl))
+                fkl = None if self.filtered else self.fkl.token_value(s0, t)
             else:  # y is the teacher's: estimate exactly over the vocabulary instead
-                jsd, rkl, fkl = (d.full(student_z.detach(), teacher_z, mask=m, chunk_size=chunk) for d in (self.jsd, self.rkl, self.fkl))
+                jsd, rkl, fkl = (exact.get(k) for k in EXACT_METRICS)
             values = {
                 "jsd/mean": jsd,
                 "kl/reverse": rkl,
@@ -100,12 +170,31 @@ class Objective:
                 "advantages/mean": advantages,
                 "student/logprob_mean": s0,
                 "teacher/logprob_mean": t,
-                "student/entropy": entropy(student_z),
+                "student/entropy": entropy(zs),
             }
-            if self.report_clip and on_policy:
-                values["cost/clipped_frac"] = self.div.clipped(s0, t).to(s0.dtype)
+            if cfg.trainer.exact_metrics:
+                values.update(exact)
+            values.update(zip(AGREEMENT_METRICS, agreement(zs, teacher_z, cfg.trainer.overlap_k)))
+            if self.filtered:
+                for k in FORWARD_KL_METRICS:
+                    values.pop(k, None)
+            if clipped is not None:
+                values["cost/clipped_frac"] = clipped.to(s0.dtype)
             sums = {k: float(torch.where(m, v.to(zero.dtype), zero).sum()) for k, v in values.items()}
-        return Output(loss=loss, sums=sums)
+            sums["student/logprob_mean"] = float(torch.where(m & ~outside, s0, zero).sum())
+            counts = {"rollout/outside_filter_tokens": float(outside.sum())} if on_policy else {}
+            maxes = {}
+            if engine_logprobs is not None and on_policy:  # the engine's log-probs of its samples vs ours
+                gap_sum, gap_max = logprob_gap(engine_logprobs, s0, m)
+                sums["rollout/logprob_gap"], maxes["rollout/logprob_gap_max"] = gap_sum, gap_max
+        return Output(loss=loss, sums=sums, counts=counts, maxes=maxes)
+
+    def value(self, d, s, t, student_z, teacher_z, m) -> torch.Tensor:
+        """Unbiased one-sample estimate of D_t: phi(y)/S(y), plus the filtered mass under top-k/top-p."""
+        v = d.token_value(s, t)
+        if self.filtered:
+            v = v + filtered_value(d, student_z, teacher_z, mask=m, chunk_size=self.cfg.estimator.chunk_size).to(v.dtype)
+        return v
 
     def _on_policy(self, student_z, teacher_z, y, m, s, t):
         cfg = self.cfg
@@ -115,7 +204,7 @@ class Objective:
         if est is EstimatorName.sampled:
             cost = self.div.token_cost(s0, t)
             if credit is Credit.sequence:
-                returns = sequence_returns(cost, self.div.token_value(s0, t), m, gamma)
+                returns = sequence_returns(cost, self.value(self.div, s0, t, student_z.detach(), teacher_z, m), m, gamma)
             else:
                 returns = cost
             advantages = -kl_coef * returns
@@ -127,22 +216,31 @@ class Objective:
                 per_token = -torch.minimum(advantages * ratio, advantages * ratio.clamp(1 - eps, 1 + eps))
             else:
                 per_token = -advantages * s
-            return per_token, advantages
+            clipped = self.div.clipped(s0, t) if self.report_clip else None
+            return per_token, advantages, clipped
 
+        clipped = None
         if est is EstimatorName.full:
             surrogate = self.div.full(student_z, teacher_z, mask=m, chunk_size=cfg.estimator.chunk_size)
             value = surrogate.detach()
         else:
             tk_lp, tk_ids = teacher_topk(teacher_z, cfg.estimator.k)
-            surrogate, value = topk_estimate(self.div, student_z, tk_lp, tk_ids, y, t, renormalize=est is EstimatorName.topk_renorm)
+            renorm = est is EstimatorName.topk_renorm
+            surrogate, value = topk_estimate(self.div, student_z, tk_lp, tk_ids, y, t, renormalize=renorm)
             value = value.detach()
+            if self.filtered and not renorm:  # the tail's filtered entries, outside the exact head
+                value = value + filtered_value(
+                    self.div, student_z, teacher_z, mask=m, exclude_ids=tk_ids, chunk_size=cfg.estimator.chunk_size
+                ).to(value.dtype)
+            if self.report_clip and not renorm:  # only the tail term uses the (clipped) cost
+                clipped = self.div.clipped(s0, t) & ~(tk_ids == y.unsqueeze(-1)).any(-1)
         if credit is Credit.sequence:
             future = sequence_returns(torch.zeros_like(value), value, m, gamma)
             per_token = kl_coef * (surrogate + future * s)
         else:
             future = torch.zeros_like(value)
             per_token = kl_coef * surrogate
-        return per_token, -kl_coef * (value + future)
+        return per_token, -kl_coef * (value + future), clipped
 
 
 @torch.no_grad()

@@ -9,6 +9,14 @@ The sampling distribution is ``sampling_logits``: logits / temperature, then top
 top-p (HF's order and rules). The trainer scores the student's tokens under this same
 transform, so the log-probs in every REINFORCE/PPO term are those of the distribution the
 tokens were drawn from (tests compare them with generate's own processed scores).
+
+Nothing else touches it: transformers fills every generation setting a call leaves unset from
+the checkpoint's ``generation_config`` (repetition_penalty, no_repeat_ngram_size, min_p,
+bad_words_ids, do_sample, top_k=50, ...), which the trainer would not recompute. ``generate``
+runs with a blank generation config in place of the model's, applies ``sampling_logits``
+itself (one logits processor), and greedy decoding is plain argmax. The log-prob of each
+sampled token under generate's processed scores is kept (``Batch.sampling_logprobs``) for the
+trainer's ``rollout/logprob_gap``.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ import abc
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -26,8 +35,9 @@ FILTERED_LOGIT = -1e9
 
 
 def sampling_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """The logits of the distribution actually sampled from (fp32): tempered, then filtered."""
-    z = logits.float()
+    """The logits of the distribution actually sampled from (fp32, or fp64 if given): tempered,
+    then filtered."""
+    z = logits if logits.dtype == torch.float64 else logits.float()
     if temperature != 1.0:
         z = z / temperature
     if top_k > 0 and top_k < z.shape[-1]:
@@ -58,6 +68,51 @@ class _VocabLimit:
         return scores
 
 
+class _SamplingTransform:
+    """Logits processor: ``sampling_logits`` on the tokenizer's ids, nothing on the padded rows
+    (the only transform between the model's logits and generate's multinomial draw)."""
+
+    def __init__(self, vocab_size: int | None, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+        self.vocab_size, self.temperature, self.top_k, self.top_p = vocab_size, temperature, top_k, top_p
+
+    def __call__(self, input_ids, scores):
+        V = min(self.vocab_size or scores.shape[-1], scores.shape[-1])
+        z = sampling_logits(scores[:, :V], self.temperature, self.top_k, self.top_p)
+        if scores.shape[-1] == V:
+            return z
+        out = torch.full(scores.shape, float("-inf"), dtype=z.dtype, device=z.device)
+        out[:, :V] = z
+        return out
+
+
+class _SampledLogprobs:
+    """Logits processor, last in the list: log softmax of generate's processed scores at the
+    token generate then draws (seen at the next call, or in ``finish``). Holds one step's
+    scores and an [N] column per step, never the [N, R, V] scores."""
+
+    def __init__(self):
+        self.columns: list[torch.Tensor] = []
+        self._last: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _take(self, ids: torch.Tensor) -> None:
+        if self._last is not None:
+            scores, lse = self._last
+            self.columns.append(scores.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - lse)
+            self._last = None
+
+    def __call__(self, input_ids, scores):
+        self._take(input_ids[:, -1])
+        self._last = (scores, torch.logsumexp(scores.float(), dim=-1))
+        return scores
+
+    def finish(self, sequences: torch.Tensor, n_new: int) -> torch.Tensor:
+        self._take(sequences[:, -1])
+        cols = self.columns[:n_new]
+        if not cols:
+            return torch.zeros(sequences.shape[0], 0, device=sequences.device)
+        return torch.stack(cols, dim=1).float()
+
+
 class RowKeyedSampler:
     """Logits processor that samples each row from its own generator (Gumbel-max over
     ``sampling_logits``) and hands generate a one-hot choice (run with ``do_sample=False``).
@@ -69,6 +124,7 @@ class RowKeyedSampler:
     def __init__(self, seeds: Sequence[int], device, vocab_size: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
         self.gens = [torch.Generator(device=device).manual_seed(int(s) % (2**63)) for s in seeds]
         self.vocab_size, self.temperature, self.top_k, self.top_p = vocab_size, temperature, top_k, top_p
+        self.columns: list[torch.Tensor] = []  # [N] log-prob of each step's draw under softmax(z)
 
     def __call__(self, input_ids, scores):
         V = self.vocab_size
@@ -76,6 +132,7 @@ class RowKeyedSampler:
         u = torch.stack([torch.rand(V, generator=g, device=z.device) for g in self.gens])
         gumbel = -torch.log(-torch.log(u.clamp(min=1e-20, max=1.0 - 1e-7)))
         choice = (z + gumbel).argmax(-1, keepdim=True)  # a draw from softmax(z)
+        self.columns.append((z.gather(-1, choice) - torch.logsumexp(z, dim=-1, keepdim=True)).squeeze(-1))
         out = torch.full_like(scores, float("-inf"))
         return out.scatter_(1, choice, 0.0)
 
@@ -91,8 +148,9 @@ class Batch:
     response_mask: torch.Tensor  # [N, R] bool: up to and including the first EOS
     prompt_index: torch.Tensor  # [N] index of each row's problem in the step's prompt list
     source: str = "student"  # who sampled the responses: "student" or "teacher"
-    # [N, R] log-probs of the sampled tokens as the rollout ENGINE computed them (vLLM only;
-    # None for HF generate, whose distribution is the trainer's own): compared, not trained on
+    # [N, R] log-probs of the sampled tokens as the rollout ENGINE computed them (HF: from
+    # generate's processed scores; vLLM: its processed log-probs; None for greedy batches):
+    # compared with the trainer's (rollout/logprob_gap), never trained on
     sampling_logprobs: torch.Tensor | None = None
 
     @property
@@ -176,6 +234,78 @@ def encode_prompts(tokenizer, prompts: Sequence[str], max_prompt_tokens: int) ->
     return ids, mask
 
 
+# The neutral value of every generation setting that changes generate's logits processors
+# (transformers 5 names); None-valued ones (min_p, bad_words_ids, sequence_bias, ...) stay off
+# because the model's generation config is swapped out while generate runs.
+NEUTRAL_GENERATION: dict[str, Any] = dict(
+    temperature=1.0,
+    top_k=0,
+    top_p=1.0,
+    typical_p=1.0,
+    epsilon_cutoff=0.0,
+    eta_cutoff=0.0,
+    repetition_penalty=1.0,
+    encoder_repetition_penalty=1.0,
+    no_repeat_ngram_size=0,
+    encoder_no_repeat_ngram_size=0,
+    min_length=0,
+    num_beams=1,
+    num_return_sequences=1,
+    length_penalty=1.0,
+    diversity_penalty=0.0,
+    renormalize_logits=False,
+    remove_invalid_values=False,
+)
+_SAMPLING_KEYS = (
+    "do_sample",
+    "min_p",
+    "top_h",
+    "bad_words_ids",
+    "sequence_bias",
+    "suppress_tokens",
+    "begin_suppress_tokens",
+    "forced_bos_token_id",
+    "forced_eos_token_id",
+    "exponential_decay_length_penalty",
+    "min_new_tokens",
+    "guidance_scale",
+    "watermarking_config",
+    *NEUTRAL_GENERATION,
+)
+
+
+def checkpoint_sampling_settings(model) -> dict[str, Any]:
+    """The settings of ``model.generation_config`` that would change what generate samples
+    (e.g. ``{"repetition_penalty": 1.1, "do_sample": True}``): rollouts and evaluation ignore
+    them; the trainer says so once."""
+    gen = getattr(model, "generation_config", None)
+    if gen is None:
+        return {}
+    found = {}
+    for key in _SAMPLING_KEYS:
+        value = getattr(gen, key, None)
+        if value is None or value is False or value == NEUTRAL_GENERATION.get(key):
+            continue
+        found[key] = value
+    return found
+
+
+@contextlib.contextmanager
+def blank_generation_config(model):
+    """While generate runs: a blank ``generation_config`` on every module that carries one (the
+    model, and the base model under a peft wrapper), so transformers fills nothing from it."""
+    from transformers import GenerationConfig
+
+    held = [(m, m.generation_config) for m in model.modules() if "generation_config" in vars(m)]
+    try:
+        for m, _ in held:
+            m.generation_config = GenerationConfig()
+        yield
+    finally:
+        for m, gen in held:
+            m.generation_config = gen
+
+
 @torch.no_grad()
 def generate(
     model,
@@ -203,6 +333,8 @@ def generate(
     generator (``RowKeyedSampler``) instead of torch's global RNG; the distribution is the same
     ``sampling_logits``. ``synced_gpus``: keep every rank stepping until all ranks finish
     (FSDP: each forward is a collective).
+    Whatever the model's ``generation_config`` sets is ignored (``blank_generation_config``):
+    sampling draws from exactly ``sampling_logits``, greedy is plain argmax.
     Returns a ``Batch`` (and, with ``return_scores``, generate's processed scores
     ``[N, R, V]``, for tests only: they cost N*R*V floats).
     """
@@ -215,7 +347,10 @@ def generate(
         mask = mask.repeat_interleave(n_samples, 0)
     eos = eos_token_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    # Every setting that could reshape the distribution, at its neutral value (and the model's
+    # own generation config swapped out below, so no unset field is filled from it).
     kwargs = dict(
+        NEUTRAL_GENERATION,
         max_new_tokens=max_new_tokens,
         eos_token_id=eos,
         pad_token_id=pad,
@@ -223,32 +358,44 @@ def generate(
         return_dict_in_generate=True,
         output_scores=return_scores,
     )
-    processors = [_VocabLimit(vocab_size)] if vocab_size else []
+    recorder = None
     if do_sample and row_seeds is not None:
         if len(row_seeds) != ids.shape[0]:
             raise ValueError(f"row_seeds has {len(row_seeds)} seeds for {ids.shape[0]} rows")
         V = vocab_size or model.get_output_embeddings().weight.shape[0]
-        processors = [RowKeyedSampler(row_seeds, device, V, temperature, top_k, top_p)]
+        recorder = RowKeyedSampler(row_seeds, device, V, temperature, top_k, top_p)
+        processors = [recorder]
         kwargs["do_sample"] = False  # the processor has drawn the token: generate takes the argmax
     elif do_sample:
-        # top_k=0 and top_p=1.0 switch those filters off (HF's own defaults would apply top_k=50).
-        kwargs.update(temperature=temperature, top_k=top_k, top_p=top_p)
+        recorder = _SampledLogprobs()
+        processors = [_SamplingTransform(vocab_size, temperature, top_k, top_p), recorder]
+    else:  # greedy: argmax of the model's logits on the tokenizer's ids (no filter changes it)
+        processors = [_VocabLimit(vocab_size)] if vocab_size else []
+    if not kwargs["do_sample"]:  # sampling-only flags: transformers warns when they are set for argmax
+        for key in ("temperature", "top_k", "top_p", "typical_p", "epsilon_cutoff", "eta_cutoff"):
+            del kwargs[key]
     gen_cfg = GenerationConfig(**kwargs)
     was_training = model.training
     model.eval()
     extra = {"synced_gpus": True} if synced_gpus else {}
-    out = model.generate(
-        input_ids=ids.to(device),
-        attention_mask=mask.to(device),
-        generation_config=gen_cfg,
-        logits_processor=LogitsProcessorList(processors) if processors else None,
-        **extra,
-    )
+    with blank_generation_config(model):
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            generation_config=gen_cfg,
+            logits_processor=LogitsProcessorList(processors) if processors else None,
+            **extra,
+        )
     model.train(was_training)
     seq = out.sequences
     P = ids.shape[1]
     response = seq[:, P:]
     full_mask = torch.cat([mask.to(device), torch.ones_like(response)], dim=1)
+    sampled_lp = None
+    if isinstance(recorder, _SampledLogprobs):
+        sampled_lp = recorder.finish(seq, response.shape[1])
+    elif recorder is not None:
+        sampled_lp = torch.stack(recorder.columns[: response.shape[1]], dim=1).float()
     batch = Batch(
         input_ids=seq,
         attention_mask=full_mask,
@@ -257,6 +404,7 @@ def generate(
         response_mask=response_mask_from_ids(response, eos),
         prompt_index=torch.arange(len(prompts), device=device).repeat_interleave(n_samples),
         source=source,
+        sampling_logprobs=sampled_lp,
     )
     if return_scores:
         return batch, torch.stack(out.scores, dim=1)

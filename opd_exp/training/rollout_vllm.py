@@ -18,10 +18,16 @@ We handle it twice over:
    logits / temperature, then top-k, then top-p), as it does for HF rollouts;
 2. the engine is started with ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2), so
    the log-prob it reports is that of the distribution actually sampled; the trainer logs
-   ``rollout/engine_logprob_gap`` = mean |engine - trainer| over response tokens, which
-   measures the engine/trainer mismatch (bf16 kernels, stale weights). A vLLM without
-   ``logprobs_mode`` reports raw log-probs, which would not be comparable: then none are
-   recorded and a warning says so.
+   ``rollout/logprob_gap`` = mean |engine - trainer| over response tokens (and
+   ``rollout/logprob_gap_max``), which measures the engine/trainer mismatch (bf16 kernels,
+   stale weights). A vLLM without ``logprobs_mode`` reports raw log-probs, which would not be
+   comparable: then none are recorded and a warning says so.
+
+The model's generation_config: vLLM can read a checkpoint's ``generation_config.json`` as
+default sampling settings (repetition_penalty, min_p, ...). The engine is started with
+``generation_config="vllm"`` (vLLM's own neutral defaults) and every request spells out the
+neutral value of each setting that would change the distribution (``NEUTRAL_SAMPLING``), so
+the engine samples exactly ``sampling_logits``; greedy evaluation is temperature 0.
 
 Row seeds: each request carries ``SamplingParams(seed=...)`` from (seed, step, global row).
 vLLM's per-request seeds are reproducible within one engine build; they are NOT the same
@@ -52,6 +58,16 @@ from opd_exp.training.rollout import (
 )
 
 PROCESSED = "processed_logprobs"
+# SamplingParams settings that would reshape the distribution, at their neutral values
+NEUTRAL_SAMPLING = dict(
+    repetition_penalty=1.0,
+    presence_penalty=0.0,
+    frequency_penalty=0.0,
+    min_p=0.0,
+    min_tokens=0,
+    logit_bias=None,
+    bad_words=None,
+)
 
 
 def require_vllm() -> None:
@@ -107,15 +123,21 @@ class VllmRollout(RolloutEngine):
     @staticmethod
     def make_llm(**kwargs):
         """``vllm.LLM(**kwargs)``; (llm, processed): an older vLLM without ``logprobs_mode``
-        is started without it and reports raw log-probs (processed=False)."""
+        is started without it and reports raw log-probs (processed=False). ``generation_config``
+        ("vllm": ignore the checkpoint's sampling defaults) is dropped for a vLLM that predates
+        it (and so never read the checkpoint's defaults)."""
         from vllm import LLM
 
-        try:
-            return LLM(**kwargs, logprobs_mode=PROCESSED), True
-        except TypeError as ex:
-            if "logprobs_mode" not in str(ex):
-                raise
-            return LLM(**kwargs), False
+        extra = {"logprobs_mode": PROCESSED, "generation_config": "vllm"}
+        while True:
+            try:
+                return LLM(**kwargs, **extra), "logprobs_mode" in extra
+            except TypeError as ex:
+                unknown = [k for k in extra if k in str(ex)]
+                if not unknown:
+                    raise
+                for k in unknown:
+                    del extra[k]
 
     @classmethod
     def from_config(cls, cfg, student, tokenizer, vocab_size: int, warn: Callable[[str], None] | None = None) -> VllmRollout:
@@ -137,7 +159,7 @@ class VllmRollout(RolloutEngine):
         if not processed:
             (warn or (lambda s: print(s, file=sys.stderr, flush=True)))(
                 "opd-train: warning: this vLLM has no logprobs_mode: it reports raw log-probs (before temperature/top-k/top-p), "
-                "so rollout/engine_logprob_gap is not logged; the loss uses the trainer's own log-probs either way"
+                "so rollout/logprob_gap is not logged; the loss uses the trainer's own log-probs either way"
             )
         emb = student.get_output_embeddings() if hasattr(student, "get_output_embeddings") else None
         model_vocab = int(emb.weight.shape[0]) if emb is not None else None
@@ -178,6 +200,7 @@ class VllmRollout(RolloutEngine):
 
     def _params(self, seed: int, greedy: bool = False):
         kw = dict(
+            NEUTRAL_SAMPLING,
             n=1,
             temperature=0.0 if greedy else self.temperature,
             top_p=self.top_p,
@@ -236,9 +259,3 @@ class VllmRollout(RolloutEngine):
             source=self.source,
             sampling_logprobs=logprobs if self.processed else None,
         )
-
-
-def logprob_gap_sum(engine_lp: torch.Tensor, trainer_lp: torch.Tensor, mask: torch.Tensor) -> float:
-    """Sum over response tokens of |engine log-prob - trainer log-prob| (divide by the token count)."""
-    m = mask.bool()
-    return float((engine_lp.to(trainer_lp.device).float() - trainer_lp.detach().float()).abs()[m].sum())

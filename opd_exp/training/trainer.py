@@ -29,7 +29,6 @@ import signal
 import sys
 import time
 import warnings
-from collections import defaultdict
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -45,10 +44,13 @@ from opd_exp.runtime.errors import ConfigError
 from opd_exp.runtime.guards import Diverged, NonFinite, Preempted, PreemptionGuard, StepGuard, nonfinite_summary
 from opd_exp.sinks import JsonlSink, MultiSink, Progress, Sink
 from opd_exp.training.evaluate import Evaluator
-from opd_exp.training.objective import TOKEN_METRICS, Objective, metric_beta
-from opd_exp.training.rollout import HfRollout, RolloutEngine
-from opd_exp.training.scoring import InProcessTeacher, student_logits, token_logprobs
+from opd_exp.training.objective import TOKEN_METRICS, Objective, Tally, metric_beta
+from opd_exp.training.rollout import HfRollout, RolloutEngine, checkpoint_sampling_settings
+from opd_exp.training.scoring import InProcessTeacher, dropout_off, student_logits
 from opd_exp.training.state import DataCursor, TrainState
+
+# rollout/logprob_gap above this (nats per token): the engine samples another distribution
+LOGPROB_GAP_WARN = 1e-3
 
 
 def require_extras(cfg: TrainConfig) -> None:
@@ -116,6 +118,22 @@ class Trainer:
             self.teacher, self.vocab_size, temperature=cfg.divergence.temperature, device=teacher_device, autocast=self.autocast
         )
         self.objective = Objective(cfg)
+        self.token_metrics = tuple(k for k in TOKEN_METRICS if k in self.objective.token_metric_names)
+        for who, model in (("student", pair.student), ("teacher", pair.teacher)):
+            ignored = checkpoint_sampling_settings(model)
+            if ignored:
+                self.warn(
+                    f"opd-train: warning: the {who}'s generation_config sets "
+                    f"{', '.join(f'{k}={v!r}' for k, v in ignored.items())}; rollouts and evaluation ignore it "
+                    "(they sample exactly rollout.temperature/top_k/top_p, and greedy eval is plain argmax)"
+                )
+        eval_divergences = {
+            "eval/jsd": get_divergence("jsd", beta=metric_beta(cfg)),
+            "eval/kl_reverse": get_divergence("rkl"),
+            "eval/kl_forward": get_divergence("fkl"),
+        }
+        if ro.filtered:  # KL(T||S) is infinite under a filter: not logged (docs/training.md)
+            del eval_divergences["eval/kl_forward"]
         eval_problems = evals[: tc.eval_size] if tc.eval_size else evals
         self.evaluator = Evaluator(
             task,
@@ -123,11 +141,7 @@ class Trainer:
             eval_problems,
             batch_size=tc.eval_batch_size,
             teacher=self.teacher_scorer,
-            divergences={
-                "eval/jsd": get_divergence("jsd", beta=metric_beta(cfg)),
-                "eval/kl_reverse": get_divergence("rkl"),
-                "eval/kl_forward": get_divergence("fkl"),
-            },
+            divergences=eval_divergences,
             student_logits=lambda b: self._student_logits(self.student, b),
             chunk_size=cfg.estimator.chunk_size,
             on_prompts=self._count_truncated,
@@ -212,16 +226,18 @@ class Trainer:
         batch = engine.generate([prompts[r // n] for r in rows], dist_util.row_seeds(cfg.seed, step, rows))
         return dataclasses.replace(batch, prompt_index=torch.tensor([r // n for r in rows])).to(self.device)
 
-    def accumulate(self, batch, n_tokens: int | None = None) -> tuple[float, dict[str, float]]:
+    def accumulate(self, batch, n_tokens: int | None = None) -> tuple[float, Tally]:
         """Forward/backward over micro-batches; gradients equal those of the whole batch.
+        Returns the loss and the ``Tally`` of the objective's metrics (per-token sums).
 
         ``n_tokens``: the step's GLOBAL response-token count (all ranks; default: this batch's).
         Under DDP/FSDP each rank's loss is scaled by the world size (they average gradients),
         every rank runs the same number of micro-batches, and the teacher check is agreed on by
-        all ranks before any backward (a collective missed by one rank would hang the others)."""
+        all ranks before any backward (a collective missed by one rank would hang the others).
+        The student is scored with dropout off (as it sampled), gradients kept."""
         ds = self.dist
         n_tokens = batch.num_response_tokens if n_tokens is None else n_tokens  # every micro-batch divides by it
-        loss_total, sums = 0.0, defaultdict(float)
+        loss_total, tally = 0.0, Tally()
         mbs = list(batch.micro_batches(self.cfg.trainer.micro_batch_size))
         for i, mb in enumerate(mbs):
             if mb.num_response_tokens == 0 and not ds.active:
@@ -234,29 +250,35 @@ class Trainer:
                 where = f"{bad} teacher logits" if bad is not None else "on another rank"
                 raise NonFinite(f"teacher log-probs are not finite at step {self.step + 1} ({where})")
             last = i == len(mbs) - 1
-            with dist_util.no_sync(self.train_module, ds, last=last):
-                zs = self._student_logits(self.train_module, mb)
-            out = self.objective(zs, zt, mb.response_ids, mb.response_mask, on_policy=batch.source == "student", normalizer=n_tokens)
-            if mb.sampling_logprobs is not None:  # an engine that reports its log-probs: how far from ours
-                from opd_exp.training.rollout_vllm import logprob_gap_sum
-
-                sums["rollout/engine_logprob_gap"] += logprob_gap_sum(
-                    mb.sampling_logprobs, token_logprobs(zs.detach(), mb.response_ids), mb.response_mask
+            with dropout_off(self.student):  # forward and backward: a recompute sees the same modes
+                with dist_util.no_sync(self.train_module, ds, last=last):
+                    zs = self._student_logits(self.train_module, mb)
+                out = self.objective(
+                    zs,
+                    zt,
+                    mb.response_ids,
+                    mb.response_mask,
+                    on_policy=batch.source == "student",
+                    normalizer=n_tokens,
+                    engine_logprobs=mb.sampling_logprobs,
                 )
-            with dist_util.no_sync(self.train_module, ds, last=last):
-                (out.loss * ds.world_size if ds.active else out.loss).backward()
+                with dist_util.no_sync(self.train_module, ds, last=last):
+                    (out.loss * ds.world_size if ds.active else out.loss).backward()
             loss_total += float(out.loss.detach())
-            for k, v in out.sums.items():
-                sums[k] += v
-        return loss_total, sums
+            tally.add(out)
+        return loss_total, tally
 
-    def _reduce(self, loss: float, sums: dict[str, float]) -> tuple[float, dict[str, float]]:
-        """Token-weighted over ranks: sums of per-token values, divided later by the global count."""
+    def _reduce(self, loss: float, tally: Tally) -> tuple[float, Tally]:
+        """Token-weighted over ranks: sums of per-token values, divided later by the global count;
+        counts summed, maxima the largest of any rank."""
         if not self.dist.active:
-            return loss, sums
-        loss, *vals = dist_util.all_reduce_sum([loss, *(sums.get(k, 0.0) for k in TOKEN_METRICS)], self.dist)
-        extra = sorted(set(sums) - set(TOKEN_METRICS))
-        return loss, {**dict(zip(TOKEN_METRICS, vals)), **dist_util.reduce_sums(sums, extra, self.dist)}
+            return loss, tally
+        keys = self.token_metrics
+        loss, *vals = dist_util.all_reduce_sum([loss, *(tally.get(k, 0.0) for k in keys)], self.dist)
+        extra = sorted(set(tally) - set(keys))
+        counts = dist_util.reduce_sums(tally.counts, sorted(tally.counts), self.dist)
+        maxes = dict(zip(sorted(tally.maxes), dist_util.all_reduce_max([tally.maxes[k] for k in sorted(tally.maxes)], self.dist)))
+        return loss, Tally({**dict(zip(keys, vals)), **dist_util.reduce_sums(tally, extra, self.dist)}, counts, maxes)
 
     def train_step(self) -> dict[str, float]:
         tc, guard = self.cfg.trainer, self.state.guard
@@ -268,16 +290,17 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         n_global, seq_global = (int(x) for x in dist_util.all_reduce_sum([batch.num_response_tokens, batch.num_sequences], self.dist))
         if n_global == 0:  # nothing to learn from: a counted no-op, never a 0/0 NaN
-            loss, sums, grad_norm = 0.0, {}, 0.0
+            loss, tally, grad_norm = 0.0, Tally(), 0.0
             guard.record_empty()
             self._warn_once("empty", f"step {step} has no response tokens: no update (counted in guard/empty_steps)")
         else:
             try:
-                loss, sums = self._reduce(*self.accumulate(batch, n_global))
+                loss, tally = self._reduce(*self.accumulate(batch, n_global))
                 max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
                 grad_norm = dist_util.grad_norm_value(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
             except NonFinite as ex:
-                loss, sums, grad_norm, problem = float("nan"), {k: float("nan") for k in TOKEN_METRICS}, float("nan"), str(ex)
+                loss, grad_norm, problem = float("nan"), float("nan"), str(ex)
+                tally = Tally({k: float("nan") for k in self.token_metrics})
             if problem is None and not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 problem = f"loss={loss}, grad/norm={grad_norm}"
         if problem is None and n_global:  # a non-finite loss or gradient never reaches the weights
@@ -291,7 +314,15 @@ class Trainer:
             self.scheduler.step()
         self.state.step += 1
         dt = time.perf_counter() - t0
-        metrics = {k: v / max(n_global, 1) for k, v in sums.items()}
+        metrics = tally.metrics(n_global)
+        gap = metrics.get("rollout/logprob_gap", 0.0)
+        if gap > LOGPROB_GAP_WARN and "logprob_gap" not in self._warned:  # once per run: the metric tracks it
+            self._warned.add("logprob_gap")
+            self.warn(
+                f"opd-train: warning: step {step}: rollout/logprob_gap={gap:.2e} > {LOGPROB_GAP_WARN:g} "
+                f"(max {metrics.get('rollout/logprob_gap_max', gap):.2e}): the rollout engine's log-probs of its samples "
+                "differ from the trainer's, so the trained distribution is not the sampled one (said once; watch the metric)"
+            )
         metrics.update(
             {
                 "loss": loss,
@@ -308,7 +339,7 @@ class Trainer:
                 "perf/rollout_s": t_rollout,
             }
         )
-        for k in TOKEN_METRICS:
+        for k in self.token_metrics:
             metrics.setdefault(k, 0.0)
         return metrics
 
