@@ -229,8 +229,9 @@ def test_a_checkpoint_written_before_the_redesign_still_resumes(tiny_dir, tmp_pa
     assert resumed.state.eval_before["eval/kl_reverse"] == straight.state.eval_before["eval/kl_reverse"]
     a, b = read_metrics(tmp_path / "a"), read_metrics(tmp_path / "b")
     assert [r["step"] for r in b] == [r["step"] for r in a] == [0, 1, 2, 3, 4]
-    for ra, rb in zip(a, b):
-        for key in ra:
+    for ra, rb in zip(a, b):  # rows 0-2 were written by the old trainer, which logged fewer metrics
+        assert set(rb) <= set(ra)
+        for key in rb:
             if not key.startswith("perf/"):
                 assert ra[key] == pytest.approx(rb[key], rel=1e-6, abs=1e-9), (ra["step"], key)
     for pa, pb in zip(straight.student.parameters(), resumed.student.parameters()):
