@@ -4,9 +4,10 @@ Config errors (an unknown option or key, a wrong type, an out-of-range value, a
 combination that cannot work) end the command with one line on stderr and exit code 2,
 before any model loads. Set HYDRA_FULL_ERROR=1 to see Hydra's full report instead.
 
-Exit codes (opd_exp/runtime/guards.py, docs/reliability.md): 0 finished; 2 config/input error;
-3 too many non-finite steps in a row; 75 preempted by SIGTERM/SIGUSR1/SIGUSR2 after saving
-a checkpoint (run the same command again to resume).
+Exit codes (opd_exp/runtime/guards.py, docs/reliability.md): 0 finished; 2 config/input error
+(in a multirun: after every job ran, if any job had one); 3 too many non-finite steps in a row;
+75 preempted by SIGTERM/SIGUSR1/SIGUSR2 or Ctrl-C after saving a checkpoint (run the same
+command again to resume); 130 a second Ctrl-C (stopped without saving).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from omegaconf.errors import OmegaConfBaseException
 from opd_exp.cli.searchpath import register as register_sweeps
 from opd_exp.config import TrainConfig, register_configs
 from opd_exp.runtime.errors import ConfigError, first_line
-from opd_exp.runtime.guards import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, Diverged, Preempted
+from opd_exp.runtime.guards import EXIT_CONFIG, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED, Diverged, Preempted
 
 register_configs()
 register_sweeps()  # sweeps/ on Hydra's search path: `opd-train -m sweep=<name>`
@@ -73,6 +74,8 @@ def _app(cfg: DictConfig) -> float:
         return _job_failed(ex, EXIT_CONFIG, hc)
     except Diverged as ex:
         return _job_failed(ex, EXIT_DIVERGED, hc)
+    except OSError as ex:  # a full or read-only disk while writing the run folder
+        return _job_failed(io_error(ex), EXIT_CONFIG, hc)
 
 
 def _job(cfg: DictConfig, hc, run_dir: Path) -> float:
@@ -86,7 +89,7 @@ def _job(cfg: DictConfig, hc, run_dir: Path) -> float:
         if hc.mode == RunMode.MULTIRUN:
             scrub_sweep_record(Path(hc.sweep.dir))
         check_choices(hc)
-        typed = to_train_config(cfg)
+        typed = _validated(cfg, hc)
         return _train(typed, run_dir)
 
 
@@ -150,13 +153,37 @@ def build_inputs(cfg: TrainConfig) -> dict:
     from opd_exp.runtime import distributed
     from opd_exp.tasks import build_task
 
+    check_device(cfg.trainer.device, int(os.environ.get("LOCAL_RANK", "0")))
     task = build_task(cfg.task)
     # A missing or damaged dataset fails here, before the models load (both splits: the
     # trainer reads the eval split too).
-    task.train_problems()
-    task.eval_problems()
+    for split, problems in (("training", task.train_problems()), ("eval", task.eval_problems())):
+        if not problems:
+            raise ConfigError(
+                f"task: {cfg.task.name!r} has no {split} problems (empty dataset or split); allowed: a task with at least one"
+            )
     device = distributed.device_for(cfg.trainer.device, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     return {"task": task, "pair": load_pair(cfg.model_pair, cfg.task, device)}
+
+
+def check_device(device: str, local_rank: int = 0) -> None:
+    """A CUDA device asked for on a machine without one fails here, before the data and both
+    models load (the shipped GPU experiments set ``trainer.device: cuda``)."""
+    if not (device == "cuda" or device.startswith("cuda:")):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"trainer.device={device!r}: no CUDA GPU is visible to torch (torch.cuda.is_available() is False); "
+            f"allowed: trainer.device=cpu or auto on this machine, or a machine with a GPU"
+        )
+    index = int(device.split(":", 1)[1]) if ":" in device else local_rank
+    if index >= torch.cuda.device_count():
+        raise ConfigError(
+            f"trainer.device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+            f"allowed: cuda:0 .. cuda:{torch.cuda.device_count() - 1}, cuda, auto or cpu"
+        )
 
 
 # `opd-train` asks Hydra not to write `.hydra/` itself (main() adds hydra.output_subdir=null):
@@ -212,13 +239,12 @@ def scrub_sweep_record(sweep_dir: Path) -> None:
             scrub_file(f)
 
 
-def check_choices(hc) -> None:
-    """An explicitly chosen option of an ``optional`` group (``experiment=...``, ``sweep=...``) that
-    does not exist is skipped by Hydra without a word: refuse it, listing the valid ones."""
+def _config_repo(hc):
+    """Hydra's view of the config folders this job was composed from (``conf/``, ``sweeps/`` and
+    the user's ``hydra.searchpath``), or None where a launcher runs jobs without Hydra's loader."""
     try:
         from hydra._internal.config_repository import ConfigRepository
         from hydra.core.global_hydra import GlobalHydra
-        from hydra.core.object_type import ObjectType
 
         search = copy.deepcopy(GlobalHydra.instance().config_loader().get_search_path())
         entries = search.get_path()
@@ -227,15 +253,39 @@ def check_choices(hc) -> None:
             search.append(provider="hydra.searchpath", path=path)
         if schema is not None:
             search.append(provider=schema.provider, path=schema.path)
-        repo = ConfigRepository(search)
-    except Exception:  # pragma: no cover - a launcher that runs jobs without Hydra's loader
-        return
+        return ConfigRepository(search)
+    except Exception:  # pragma: no cover
+        return None
+
+
+def _group_options(hc, group: str) -> list[str]:
+    from hydra.core.object_type import ObjectType
+
+    repo = _config_repo(hc)
+    return sorted(repo.get_group_options(group, ObjectType.CONFIG)) if repo is not None else []
+
+
+def check_choices(hc) -> None:
+    """An explicitly chosen option of an ``optional`` group (``experiment=...``, ``sweep=...``) that
+    does not exist is skipped by Hydra without a word: refuse it, listing the valid ones."""
     for group, option in hc.runtime.choices.items():
         if option is None or group.startswith("hydra/") or not isinstance(option, str):
             continue
-        options = repo.get_group_options(group, ObjectType.CONFIG)
+        options = _group_options(hc, group)
         if options and option not in options:
-            raise ConfigError(f"{group}={option}: no such option; allowed: {', '.join(sorted(options))}")
+            raise ConfigError(f"{group}={option}: no such option; allowed: {', '.join(options)}")
+
+
+def _validated(cfg: DictConfig, hc) -> TrainConfig:
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        return to_train_config(cfg)
+    except MissingMandatoryValue as ex:  # a required group removed (`~model_pair`) or never chosen
+        key = str(getattr(ex, "full_key", "") or "") or first_line(ex).rsplit(":", 1)[-1].strip()
+        options = _group_options(hc, key)
+        allowed = f"{key}=<option> with one of: {', '.join(options)}" if options else f"a value for {key}"
+        raise ConfigError(f"{key}: has no value (removed with `~{key}`?); allowed: {allowed}") from None
 
 
 def _one_line(ex: BaseException) -> str:
@@ -333,6 +383,16 @@ def main() -> None:
         _app()
     except Diverged:
         sys.exit(EXIT_DIVERGED)  # its line is already on stderr
+    except KeyboardInterrupt:  # Ctrl-C before training started, or a second one during it
+        if user_wants_full:
+            raise
+        print(
+            "opd-train: interrupted (Ctrl-C): stopped at once, nothing saved since the last checkpoint; "
+            f"run the same command again to resume (exit code {EXIT_INTERRUPTED})",
+            file=sys.stderr,
+            flush=True,
+        )
+        sys.exit(EXIT_INTERRUPTED)
     except (ConfigError, HydraException, OmegaConfBaseException) as ex:
         if user_wants_full:
             raise

@@ -45,6 +45,7 @@ from opd_exp.runtime.errors import ConfigError
 from opd_exp.runtime.guards import Diverged, NonFinite, Preempted, PreemptionGuard, StepGuard, nonfinite_summary
 from opd_exp.sinks import JsonlSink, MultiSink, Progress, Sink
 from opd_exp.training.evaluate import Evaluator
+from opd_exp.training.memory import check_step_memory
 from opd_exp.training.objective import TOKEN_METRICS, Objective, metric_beta
 from opd_exp.training.rollout import HfRollout, RolloutEngine
 from opd_exp.training.scoring import InProcessTeacher, student_logits, token_logprobs
@@ -94,6 +95,7 @@ class Trainer:
                     f"task: {cfg.task.name!r} has no {split} problems (empty dataset or split); allowed: a task with at least one"
                 )
         self.student = prec.prepare_student(pair.student, tc, self.device)  # dtype, grad ckpt, LoRA
+        check_step_memory(cfg, self.student, self.vocab_size, self.device)  # one line, not an OOM minutes later
         teacher_device = prec.teacher_device(tc, self.device)
         self.teacher = prec.prepare_teacher(pair.teacher, tc, teacher_device)  # frozen, no grad
         self.student.train()
@@ -359,7 +361,7 @@ class Trainer:
     def _sinks(self, resume_step: int | None) -> Sink:
         if not self.dist.is_main:  # metrics.jsonl and W&B belong to rank 0
             return MultiSink([])
-        sinks: list[Sink] = [JsonlSink(self.run_dir / "metrics.jsonl", resume_step=resume_step)]
+        sinks: list[Sink] = [JsonlSink(self.run_dir / "metrics.jsonl", resume_step=resume_step, warn=self.warn)]
         extra = list(self._extra_sinks or [])
         if self.cfg.logger.name is LoggerName.wandb and not any(getattr(s, "is_wandb", False) for s in extra):
             from opd_exp.sinks.tracking import WandbSink
