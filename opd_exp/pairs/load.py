@@ -297,17 +297,17 @@ def _check_loading_info(key: str, where: str, info: dict) -> None:
     """Weights the checkpoint lacks would be left at their random initialisation, and weights it
     has that the model does not use point to another architecture or renamed keys: both are an
     error, never a silent start from random weights."""
-    for kind, names, hint in (
-        ("missing", info.get("missing_keys"), "the model would start them from random values"),
-        ("unexpected", info.get("unexpected_keys"), "the model has no place for them (renamed keys or another architecture?)"),
-    ):
+    parts = []
+    for kind, names in (("missing", info.get("missing_keys")), ("unexpected", info.get("unexpected_keys"))):
         names = sorted(names or ())
         if names:
-            first = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-            raise ConfigError(
-                f"{key}: {where!r} has {len(names)} {kind} weight(s) ({first}); {hint}; allowed: a model.safetensors "
-                f"holding exactly the weights of its config.json's architecture"
-            )
+            parts.append(f"{len(names)} {kind} weight(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+    if parts:
+        why = "the model would start the missing ones from random values" if info.get("missing_keys") else "the model has no place for them"
+        raise ConfigError(
+            f"{key}: {where!r} has {' and '.join(parts)}; {why} (renamed keys or another architecture?); allowed: a "
+            f"model.safetensors holding exactly the weights of its config.json's architecture"
+        )
 
 
 def load_pair(pair_cfg: Any, task_cfg: Any = None, device: Any = "cpu", *, progress: bool = True) -> LoadedPair:

@@ -90,7 +90,8 @@ class PreemptionGuard:
         """The Python-level handler that was installed before us for the received signal
         (submitit's requeue handler under hydra-submitit-launcher), if any."""
         prev = self._previous.get(self.signum) if self.signum is not None else None
-        return prev if callable(prev) else None
+        # Python's own Ctrl-C handler would only raise KeyboardInterrupt after the save
+        return prev if callable(prev) and prev is not signal.default_int_handler else None
 
 
 def nonfinite_summary(x) -> str | None:

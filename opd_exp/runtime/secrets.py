@@ -19,8 +19,9 @@ TOKEN_SHAPE = re.compile(r"(?<![A-Za-z0-9])(?:hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_
 # a W&B API key is 40 hex digits; so is a git commit id, so this shape is redacted only where
 # a commit id has no business (a run's name, tags and group)
 WANDB_KEY_SHAPE = re.compile(r"(?<![0-9a-fA-F])[0-9a-f]{40}(?![0-9a-fA-F])")
-# a line that sets a run's label (`name: ...`, `- name=...`, `logger.tags=[...]`, `group: ...`)
-_LABEL_LINE = re.compile(r"(?m)^[ \t]*(?:-[ \t]*)?[+~]*(?:logger\.)?(?:name|group|tags)[ \t]*[:=].*$")
+# where a record sets a run's label (`name: ...`, `name=...`, `logger.tags=[...]`, `group: ...`),
+# also inside Hydra's comma-joined `override_dirname`
+_LABEL_VALUE = re.compile(r"(?<![\w.])[+~]*(?:logger\.)?(?:name|group|tags)[ \t]*[:=][ \t]*(?:\[[^\]\n]*\]|[^,\s\]]*)")
 # `key: value` / `key=value` where the key looks like a credential (YAML records, argv)
 _SECRET_ASSIGNMENT = re.compile(
     r"(?P<key>[\w.+~/-]*(?:" + SECRET_NAME.pattern + r")[\w.-]*)(?P<sep>\s*[=:]\s*)[^\s,'\"\]}]+", re.IGNORECASE
@@ -71,7 +72,7 @@ def scrub_text(text: str, secrets: Iterable[str] | None = None) -> str:
     clean = _SECRET_ASSIGNMENT.sub(lambda m: f"{m['key']}{m['sep']}{REDACTED}", text)
     for value in secrets:
         clean = clean.replace(value, REDACTED)
-    clean = _LABEL_LINE.sub(lambda m: WANDB_KEY_SHAPE.sub(REDACTED, m[0]), clean)
+    clean = _LABEL_VALUE.sub(lambda m: WANDB_KEY_SHAPE.sub(REDACTED, m[0]), clean)
     return TOKEN_SHAPE.sub(REDACTED, clean)
 
 
