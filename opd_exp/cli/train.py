@@ -372,7 +372,8 @@ def main() -> None:
         print(f"opd-train: error: {problem}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
     argv = list(sys.argv)
-    if not any(a.lstrip("+~").startswith("hydra.output_subdir=") for a in argv[1:]):
+    informational = {"--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help", "--shell-completion", "-sc"}
+    if not informational & set(argv[1:]) and not any(a.lstrip("+~").startswith("hydra.output_subdir=") for a in argv[1:]):
         # the job writes .hydra/ itself, after taking the folder's lock (write_hydra_record)
         sys.argv = [*argv, "hydra.output_subdir=null"]
         os.environ[_OWN_RECORD_ENV] = ".hydra"
