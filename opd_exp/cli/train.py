@@ -204,7 +204,7 @@ def write_hydra_record(cfg: DictConfig, hc, run_dir: Path) -> None:
             scrub_file(f)
         return
     subdir = os.environ.get(_OWN_RECORD_ENV)
-    if not subdir:  # the user's hydra.output_subdir=null, or not started through main()
+    if not subdir or os.environ.get("RANK", "0") != "0":  # the user's output_subdir=null; torchrun: rank 0 writes
         return
     from hydra.core.hydra_config import HydraConfig
 

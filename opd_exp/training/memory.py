@@ -46,15 +46,17 @@ def _dims(model) -> tuple[int, int, int]:
     return layers, kv, head_dim
 
 
-def estimate(cfg, student, vocab_size: int) -> StepMemory:
+def estimate(cfg, student, vocab_size: int, *, world_size: int = 1, teacher_here: bool = True) -> StepMemory:
+    """``world_size``: ranks that share the batch (each samples and scores its rows);
+    ``teacher_here``: the teacher's logits live on the student's device too."""
     ro, tc = cfg.rollout, cfg.trainer
-    rows = tc.batch_size * ro.n_samples
+    rows = -(-tc.batch_size * ro.n_samples // max(world_size, 1))  # this rank's rows
     micro = min(tc.micro_batch_size or rows, rows)
     layers, kv_heads, head_dim = _dims(student)
     itemsize = next(student.parameters()).element_size()
     seq = ro.max_prompt_tokens + ro.max_new_tokens
     kv_cache = 2 * layers * rows * seq * kv_heads * head_dim * itemsize
-    logits = 2 * micro * ro.max_new_tokens * vocab_size * 4
+    logits = (2 if teacher_here else 1) * micro * ro.max_new_tokens * vocab_size * 4
     return StepMemory(rows, micro, kv_cache, logits)
 
 
@@ -73,14 +75,16 @@ def available_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_step_memory(cfg, student, vocab_size: int, device: torch.device) -> StepMemory:
-    """One ``ConfigError`` line when a step cannot fit, before the first rollout."""
-    need = estimate(cfg, student, vocab_size)
+def check_step_memory(cfg, student, vocab_size: int, device: torch.device, **kw) -> StepMemory:
+    """One ``ConfigError`` line when a step cannot fit, before the first rollout (``kw``: ``estimate``'s)."""
+    need = estimate(cfg, student, vocab_size, **kw)
     free = available_bytes(device)
     if free is not None and need.peak > free:
         ro, tc = cfg.rollout, cfg.trainer
+        total = tc.batch_size * ro.n_samples
+        mine = f" ({need.rows} on this rank)" if need.rows != total else ""
         raise ConfigError(
-            f"trainer.batch_size x rollout.n_samples: {tc.batch_size} x {ro.n_samples} = {need.rows} sequences need at least "
+            f"trainer.batch_size x rollout.n_samples: {tc.batch_size} x {ro.n_samples} = {total} sequences{mine} need at least "
             f"{need.peak / GIB:.1f} GiB per step on {device} (rollout KV cache {need.kv_cache / GIB:.1f} GiB for "
             f"{ro.max_prompt_tokens}+{ro.max_new_tokens} tokens; student+teacher logits of {need.micro_rows} rows "
             f"{need.logits / GIB:.1f} GiB), but {free / GIB:.1f} GiB are free; allowed: a smaller trainer.batch_size or "

@@ -95,8 +95,10 @@ class Trainer:
                     f"task: {cfg.task.name!r} has no {split} problems (empty dataset or split); allowed: a task with at least one"
                 )
         self.student = prec.prepare_student(pair.student, tc, self.device)  # dtype, grad ckpt, LoRA
-        check_step_memory(cfg, self.student, self.vocab_size, self.device)  # one line, not an OOM minutes later
         teacher_device = prec.teacher_device(tc, self.device)
+        check_step_memory(  # one line now, not an out-of-memory error minutes later
+            cfg, self.student, self.vocab_size, self.device, world_size=self.dist.world_size, teacher_here=teacher_device == self.device
+        )
         self.teacher = prec.prepare_teacher(pair.teacher, tc, teacher_device)  # frozen, no grad
         self.student.train()
         self.autocast = partial(prec.autocast, self.device, tc.precision.value)
