@@ -106,8 +106,7 @@ def _train(typed: TrainConfig, run_dir: Path) -> float:
         require_extras(typed)
         trainer = Trainer(typed, run_dir, sinks=sinks, **build_inputs(typed))
         summary = trainer.run()
-    except Preempted as ex:
-        _close(sinks)
+    except Preempted as ex:  # the trainer closed its sinks before raising: the W&B run is not failed
         # Exit from inside the job: in a multirun Hydra would go on to the next job.
         print(f"opd-train: preempted: {ex}", file=sys.stderr, flush=True)
         if getattr(ex, "previous_handler", None) is not None:
@@ -123,7 +122,7 @@ def _close(sinks) -> None:
         sink.close()
 
 
-# This process's jobs, and those of a multirun that failed: (job number, overrides, message, exit code).
+# This process's jobs, and those of a multirun that failed: (job number, job folder, message, exit code).
 JOBS_STARTED: list[Path] = []
 FAILED_JOBS: list[tuple[int, str, str, int]] = []
 
@@ -295,7 +294,7 @@ def _one_line(ex: BaseException) -> str:
     from hydra.errors import MissingConfigException
     from omegaconf.errors import MissingMandatoryValue
 
-    if isinstance(ex, ConfigError):
+    if isinstance(ex, (ConfigError, Diverged)):  # ours: already one line
         return first_line(ex, 2000)
     if isinstance(ex, MissingConfigException) and ex.options:
         missing = (ex.missing_cfg_file or "").strip("/")
