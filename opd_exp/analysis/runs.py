@@ -108,11 +108,11 @@ def read_metrics(path: Path) -> tuple[dict[str, list[tuple[int, float]]], int]:
     """
     series: dict[str, list[tuple[int, float]]] = {}
     bad = 0
-    for line in Path(path).read_text().splitlines():
-        if not line.strip():
+    for raw in Path(path).read_bytes().splitlines():
+        if not raw.strip():
             continue
         try:
-            row = json.loads(line)
+            row = json.loads(raw.decode("utf-8"))  # a line that is not UTF-8 counts as unreadable
             step = int(row["step"])
         except (ValueError, KeyError, TypeError):
             bad += 1  # a job killed mid-write leaves a truncated last line

@@ -303,7 +303,12 @@ class TrainerConfig:
         _check(_finite(self.lr) and self.lr >= 0, "trainer.lr", self.lr, ">= 0")
         _check(_finite(self.weight_decay) and self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, ">= 0")
         _check(self.warmup_steps >= 0, "trainer.warmup_steps", self.warmup_steps, "integer >= 0")
-        _check(_finite(self.grad_clip) and self.grad_clip >= 0, "trainer.grad_clip", self.grad_clip, ">= 0 (0: off)")
+        _check(
+            _finite(self.grad_clip) and self.grad_clip >= 0,
+            "trainer.grad_clip",
+            self.grad_clip,
+            "a finite number >= 0, the largest gradient norm kept (0 turns clipping off, which is what inf would mean)",
+        )
         for key in ("eval_every", "eval_size", "save_every", "num_threads"):
             _check(getattr(self, key) >= 0, f"trainer.{key}", getattr(self, key), "integer >= 0")
         for key in ("eval_batch_size", "keep_checkpoints", "log_every", "max_bad_steps"):
@@ -341,7 +346,7 @@ class TrainConfig:
     model_pair: ModelPairConfig = MISSING  # type: ignore[assignment]
     # prompts, answers and verifier (conf/task/*)
     task: TaskConfig = MISSING  # type: ignore[assignment]
-    # seeds the data order, sampling and the on/off-policy draw of each step
+    # seeds the data order, sampling and the on/off-policy draw of each step; -2**63 <= seed < 2**63
     seed: int = 0
     divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
     estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
@@ -353,6 +358,8 @@ class TrainConfig:
     name: str | None = None
 
     def __post_init__(self) -> None:
+        # torch's generators take 64-bit seeds; per-step seeds are derived modulo 2**63
+        _check(-(2**63) <= self.seed < 2**63, "seed", self.seed, "an integer with -2**63 <= seed < 2**63 (torch's seed range)")
         validate(self)
 
 

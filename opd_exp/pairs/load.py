@@ -99,6 +99,11 @@ def _check_remote_code(key: str, where: str, config: dict, trust: bool) -> None:
     model_type = config.get("model_type")
     auto_map = config.get("auto_map") or {}
     custom = any(name in auto_map for name in ("AutoModelForCausalLM", "AutoModel", "AutoConfig"))
+    if not model_type and not custom:  # not a remote-code question: the file does not say what it is
+        raise ConfigError(
+            f"{key}: the config.json of {where!r} has no 'model_type' (the architecture, e.g. 'qwen2'); "
+            f"allowed: a config.json written by save_pretrained"
+        )
     if (custom or model_type not in CONFIG_MAPPING) and not trust:
         why = (
             "its config.json maps to code in the repo (auto_map)"
@@ -109,6 +114,20 @@ def _check_remote_code(key: str, where: str, config: dict, trust: bool) -> None:
             f"model_pair.trust_remote_code: got False, but {key}={where!r} needs custom code ({why}); "
             f"allowed: true (only for code you trust), or a model transformers supports natively"
         )
+
+
+def _check_config_fields(key: str, where: str, trust: bool) -> None:
+    """transformers checks each field's type when it reads config.json: a wrong one is the
+    model's config, not (as it would surface later) its tokenizer."""
+    from transformers import AutoConfig
+
+    try:
+        AutoConfig.from_pretrained(where, trust_remote_code=trust)
+    except Exception as exc:
+        reason = " ".join(str(exc).split())[:240] or type(exc).__name__
+        raise ConfigError(
+            f"{key}: the config.json of {where!r} is refused by transformers ({reason}); allowed: a config.json written by save_pretrained"
+        ) from None
 
 
 def _embedding_rows(config: dict) -> int | None:
@@ -163,21 +182,35 @@ def preflight(
     for key, where in (("model_pair.student", student_path), ("model_pair.teacher", teacher_path)):
         configs[key] = _read_config(key, where)
         _check_remote_code(key, where, configs[key], trust)
+        _check_config_fields(key, where, trust)
 
     tok_key, tok_where = "model_pair.student", student_path
     if cfg.tokenizer:
         tok_key, tok_where = "model_pair.tokenizer", _locate("model_pair.tokenizer", cfg.tokenizer)
     tokenizer = _load_tokenizer(tok_key, tok_where, trust)
-    teacher_tok = _load_tokenizer("model_pair.teacher", teacher_path, trust)
+    # Every model's own tokenizer must map text as the shared one does: the teacher's always, the
+    # student's too when model_pair.tokenizer names a third (a student without tokenizer files
+    # has nothing to compare).
+    others = [("model_pair.teacher", teacher_path, False)]
+    if cfg.tokenizer:
+        others.insert(0, ("model_pair.student", student_path, True))
     ids = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
-    teacher_ids = teacher_tok(PROBE_TEXT, add_special_tokens=False)["input_ids"]
-    if ids != teacher_ids or len(tokenizer) != len(teacher_tok):
-        first = next((i for i, (a, b) in enumerate(zip(ids, teacher_ids)) if a != b), min(len(ids), len(teacher_ids)))
-        raise ConfigError(
-            f"model_pair.teacher: the tokenizer of {teacher_path!r} ({len(teacher_tok)} tokens) maps text to different ids "
-            f"than the student's {tok_where!r} ({len(tokenizer)} tokens; first difference at probe token {first}); "
-            f"allowed: a teacher and student that share one tokenizer"
-        )
+    for key, where, optional in others:
+        try:
+            own = _load_tokenizer(key, where, trust)
+        except ConfigError:
+            if optional:
+                continue
+            raise
+        own_ids = own(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+        if ids != own_ids or len(tokenizer) != len(own):
+            first = next((i for i, (a, b) in enumerate(zip(ids, own_ids)) if a != b), min(len(ids), len(own_ids)))
+            shared = "the student's" if tok_key == "model_pair.student" else "model_pair.tokenizer's"
+            raise ConfigError(
+                f"{key}: the tokenizer of {where!r} ({len(own)} tokens) maps text to different ids "
+                f"than {shared} {tok_where!r} ({len(tokenizer)} tokens; first difference at probe token {first}); "
+                f"allowed: a teacher and student that share one tokenizer"
+            )
 
     vocab = len(tokenizer)
     rows = {}
@@ -221,14 +254,33 @@ def _torch_dtype(name: str):
 def _load_model(key: str, where: str, cfg: ModelPairConfig, device: Any):
     from transformers import AutoModelForCausalLM
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            where, dtype=_torch_dtype(cfg.dtype), use_safetensors=True, trust_remote_code=cfg.trust_remote_code
+    def load(**kw):
+        return AutoModelForCausalLM.from_pretrained(
+            where,
+            dtype=_torch_dtype(cfg.dtype),
+            use_safetensors=True,
+            trust_remote_code=cfg.trust_remote_code,
+            output_loading_info=True,
+            **kw,
         )
+
+    try:
+        model, info = load()
     except OSError as exc:  # e.g. only .bin weights: we never unpickle weights
         reason = first_line(exc)
         raise ConfigError(
             f"{key}: cannot load safetensors weights from {where!r} ({reason[:160]}); allowed: a model saved as safetensors"
+        ) from None
+    except RuntimeError as exc:
+        if "mismatched_sizes" not in str(exc) and "size mismatch" not in str(exc):
+            raise
+        # weights of another shape than config.json says: name the first one
+        _, info = load(ignore_mismatched_sizes=True)
+        name, got, want = sorted(info.get("mismatched_keys") or [("?", "?", "?")])[0]
+        n = len(info.get("mismatched_keys") or ())
+        raise ConfigError(
+            f"{key}: {n} weight(s) in {where!r} have another shape than its config.json builds (first: {name} is "
+            f"{tuple(got)}, the model needs {tuple(want)}); allowed: weights saved with this config.json"
         ) from None
     except Exception as exc:  # a damaged file: safetensors raises its own error type
         if type(exc).__name__ != "SafetensorError":
@@ -237,7 +289,25 @@ def _load_model(key: str, where: str, cfg: ModelPairConfig, device: Any):
         raise ConfigError(
             f"{key}: the safetensors weights in {where!r} are damaged ({reason[:160]}); allowed: a complete model.safetensors"
         ) from None
+    _check_loading_info(key, where, info)
     return model.to(device)
+
+
+def _check_loading_info(key: str, where: str, info: dict) -> None:
+    """Weights the checkpoint lacks would be left at their random initialisation, and weights it
+    has that the model does not use point to another architecture or renamed keys: both are an
+    error, never a silent start from random weights."""
+    parts = []
+    for kind, names in (("missing", info.get("missing_keys")), ("unexpected", info.get("unexpected_keys"))):
+        names = sorted(names or ())
+        if names:
+            parts.append(f"{len(names)} {kind} weight(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})")
+    if parts:
+        why = "the model would start the missing ones from random values" if info.get("missing_keys") else "the model has no place for them"
+        raise ConfigError(
+            f"{key}: {where!r} has {' and '.join(parts)}; {why} (renamed keys or another architecture?); allowed: a "
+            f"model.safetensors holding exactly the weights of its config.json's architecture"
+        )
 
 
 def load_pair(pair_cfg: Any, task_cfg: Any = None, device: Any = "cpu", *, progress: bool = True) -> LoadedPair:

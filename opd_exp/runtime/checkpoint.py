@@ -68,14 +68,31 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, loop_state: dict
         # Same step, same state (a preemption save right after a periodic one): never remove a
         # complete checkpoint to write its twin; a kill in between would leave none.
         return final
-    with files.atomic_folder(final) as tmp:
-        save_model(model, str(tmp / "model.safetensors"))  # handles tied embeddings
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
-        torch.save(rng_state(), tmp / "rng.pt")
-        (tmp / "state.json").write_text(json.dumps({"step": step, **loop_state}, indent=2) + "\n")
-        files.write_manifest(tmp, MANIFEST, {"step": step})
+    try:
+        with files.atomic_folder(final) as tmp:
+            save_model(model, str(tmp / "model.safetensors"))  # handles tied embeddings
+            torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+            torch.save(rng_state(), tmp / "rng.pt")
+            (tmp / "state.json").write_text(json.dumps({"step": step, **loop_state}, indent=2) + "\n")
+            files.write_manifest(tmp, MANIFEST, {"step": step})
+    except (OSError, RuntimeError) as ex:
+        # torch.save reports a full disk as RuntimeError ("PytorchStreamWriter failed writing
+        # file ...: file write failed"); anything else is a bug and keeps its traceback.
+        if isinstance(ex, RuntimeError) and not _is_write_failure(ex):
+            raise
+        newest = latest(run_dir)
+        raise ConfigError(
+            f"hydra.run.dir: cannot write checkpoint {final.name} in {root} ({first_line(ex, 160)}); nothing half-written is "
+            f"kept, newest checkpoint: {newest.name if newest else 'none'}; allowed: free disk space (or a writable folder), "
+            f"then run the same command again to resume"
+        ) from None
     _prune(root, keep)  # only now: the new checkpoint is complete and visible
     return final
+
+
+def _is_write_failure(ex: BaseException) -> bool:
+    text = str(ex)
+    return any(s in text for s in ("PytorchStreamWriter", "file write failed", "No space left", "unexpected pos"))
 
 
 def _manifest(path: Path) -> dict | None:
@@ -148,12 +165,23 @@ def load(path: Path, model, optimizer, scheduler) -> dict[str, Any]:
     load_model(model, str(path / "model.safetensors"), device=str(next(model.parameters()).device))
     state = json.loads((path / "state.json").read_text())  # parse first: cheap, and fails before any change
     # weights_only: tensors and plain containers only; a tampered file cannot run code
-    opt = torch.load(path / "optimizer.pt", map_location=next(model.parameters()).device, weights_only=True)
-    rng = torch.load(path / "rng.pt", weights_only=True)
+    opt = _load_plain(path / "optimizer.pt", map_location=next(model.parameters()).device)
+    rng = _load_plain(path / "rng.pt")
     optimizer.load_state_dict(opt["optimizer"])
     scheduler.load_state_dict(opt["scheduler"])
     set_rng_state(rng)
     return state
+
+
+def _load_plain(path: Path, **kw) -> Any:
+    """``torch.load(weights_only=True)``; a file holding anything else is refused unread, and said
+    so in our words (torch's own message suggests weights_only=False, which would run it)."""
+    import pickle
+
+    try:
+        return torch.load(path, weights_only=True, **kw)
+    except pickle.UnpicklingError:
+        raise ValueError(f"{path.name} holds objects other than tensors and plain containers (refused without running them)") from None
 
 
 def _prune(root: Path, keep: int) -> None:
@@ -212,6 +240,7 @@ def restore(run_dir: Path, model, optimizer, scheduler, warn=print) -> tuple[int
     with a warning and the next older one is tried; if none loads, a ``ConfigError`` says so
     (never a silent fresh start on top of a run's folder)."""
     root = checkpoint_root(run_dir)
+    files.sweep_tmp(root)  # leftovers of a write that failed (a full disk) or was killed: the caller holds the lock
     found = list_checkpoints(run_dir)
     if not found:
         bad = damaged(run_dir)

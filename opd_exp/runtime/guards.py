@@ -7,7 +7,9 @@ Exit codes of ``opd-train`` (documented in docs/reliability.md):
 * 3  stopped: ``trainer.max_bad_steps`` non-finite steps in a row (``Diverged``); the last
      checkpoint, written before the trouble, is intact;
 * 75 preempted (EX_TEMPFAIL, "try again later"): a checkpoint was saved at the step
-     boundary after SIGTERM/SIGUSR1/SIGUSR2; running the same command resumes.
+     boundary after SIGTERM/SIGUSR1/SIGUSR2 or Ctrl-C (SIGINT); running the same command resumes;
+* 130 a second Ctrl-C before that save: stopped at once, nothing written after the last
+     checkpoint (a half-written one is removed).
 
 Why 75 and not 0 or 143: 0 would tell ``opd-train && next-step`` pipelines and job chains
 that training finished; 143 (128+SIGTERM) is what an unhandled kill reports, when nothing
@@ -28,8 +30,10 @@ EXIT_DIVERGED = 3
 EXIT_PREEMPTED = 75
 
 # SIGTERM: SLURM preemption/scancel, Kubernetes, systemd; SIGUSR1: `sbatch --signal=USR1@120`;
-# SIGUSR2: submitit's default timeout/preemption signal.
-PREEMPT_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGUSR1", "SIGUSR2") if hasattr(signal, n))
+# SIGUSR2: submitit's default timeout/preemption signal; SIGINT: Ctrl-C (a second Ctrl-C stops
+# at once, without saving, as KeyboardInterrupt).
+PREEMPT_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT") if hasattr(signal, n))
+EXIT_INTERRUPTED = 130  # 128 + SIGINT: a second Ctrl-C, nothing saved after the last checkpoint
 
 
 class Preempted(Exception):
@@ -62,6 +66,8 @@ class PreemptionGuard:
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.signum is not None:
+            raise KeyboardInterrupt  # Ctrl-C again: the user does not want to wait for the save
         if self.signum is None:  # the first signal decides; repeats (SLURM resends) change nothing
             self.signum = signum
 
@@ -84,7 +90,8 @@ class PreemptionGuard:
         """The Python-level handler that was installed before us for the received signal
         (submitit's requeue handler under hydra-submitit-launcher), if any."""
         prev = self._previous.get(self.signum) if self.signum is not None else None
-        return prev if callable(prev) else None
+        # Python's own Ctrl-C handler would only raise KeyboardInterrupt after the save
+        return prev if callable(prev) and prev is not signal.default_int_handler else None
 
 
 def nonfinite_summary(x) -> str | None:

@@ -13,6 +13,19 @@ REDACTED = "<redacted>"
 # config keys and environment variables whose values are credentials
 # ("token" alone: hf_token, HF_TOKEN, access_token; not max_new_tokens, tokenizer, pad_token_id)
 SECRET_NAME = re.compile(r"(api[_-]?key|(?<![a-z])token(?![a-z]|_id)|secret|password|passwd|credential)", re.IGNORECASE)
+# values shaped like a credential wherever they appear: Hugging Face (hf_...), OpenAI-style
+# (sk-..., sk-proj-...) access tokens
+TOKEN_SHAPE = re.compile(r"(?<![A-Za-z0-9])(?:hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,})")
+# a W&B API key is 40 hex digits; so is a git commit id, so this shape is redacted only where
+# a commit id has no business (a run's name, tags and group)
+WANDB_KEY_SHAPE = re.compile(r"(?<![0-9a-fA-F])[0-9a-f]{40}(?![0-9a-fA-F])")
+# where a record sets a run's label (`name: ...`, `name=...`, `logger.tags=[...]`, `group: ...`),
+# also inside Hydra's comma-joined `override_dirname`
+_LABEL_VALUE = re.compile(r"(?<![\w.])[+~]*(?:logger\.)?(?:name|group|tags)[ \t]*[:=][ \t]*(?:\[[^\]\n]*\]|[^,\s\]]*)")
+# `key: value` / `key=value` where the key looks like a credential (YAML records, argv)
+_SECRET_ASSIGNMENT = re.compile(
+    r"(?P<key>[\w.+~/-]*(?:" + SECRET_NAME.pattern + r")[\w.-]*)(?P<sep>\s*[=:]\s*)[^\s,'\"\]}]+", re.IGNORECASE
+)
 
 
 def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
@@ -34,12 +47,48 @@ def scrub(obj: Any, secrets: Iterable[str] | None = None) -> Any:
         if isinstance(x, str):
             for s in secrets:
                 x = x.replace(s, REDACTED)
+            x = TOKEN_SHAPE.sub(REDACTED, x)
             name, sep, value = x.partition("=")  # an override `logger.api_key=...`
             if sep and SECRET_NAME.search(name) and value:
                 return f"{name}={REDACTED}"
         return x
 
     return clean(obj)
+
+
+def redact_label(text: str | None, secrets: Iterable[str] | None = None) -> str | None:
+    """A run name, tag or group with credentials removed: by environment value, by token shape,
+    and 40-hex W&B keys as well (labels never need a commit id)."""
+    if text is None:
+        return None
+    return WANDB_KEY_SHAPE.sub(REDACTED, scrub(str(text), secrets))
+
+
+def scrub_text(text: str, secrets: Iterable[str] | None = None) -> str:
+    """Text of a YAML record or a command line with credentials redacted: values of
+    credential-like keys (``api_key: ...``, ``HF_TOKEN=...``), credential-like environment
+    values, and token-shaped values."""
+    secrets = list(secret_values() if secrets is None else secrets)
+    clean = _SECRET_ASSIGNMENT.sub(lambda m: f"{m['key']}{m['sep']}{REDACTED}", text)
+    for value in secrets:
+        clean = clean.replace(value, REDACTED)
+    clean = _LABEL_VALUE.sub(lambda m: WANDB_KEY_SHAPE.sub(REDACTED, m[0]), clean)
+    return TOKEN_SHAPE.sub(REDACTED, clean)
+
+
+def scrub_file(path) -> bool:
+    """Rewrite ``path`` (a YAML record) with credentials redacted, in one rename; True if it changed."""
+    from pathlib import Path
+
+    path = Path(path)
+    text = path.read_text()
+    clean = scrub_text(text)
+    if clean == text:
+        return False
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(clean)
+    os.replace(tmp, path)
+    return True
 
 
 def plain_config(cfg: Any) -> Any:

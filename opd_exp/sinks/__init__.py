@@ -53,12 +53,24 @@ class JsonlSink(Sink):
     """Appends ``{"step": n, ...metrics}`` lines to ``path``.
 
     ``resume_step``: on resume from a checkpoint at that step, lines logged after it by the
-    interrupted run are dropped first, so the file reads as one uninterrupted run.
+    interrupted run are dropped first, so the file reads as one uninterrupted run. A resume
+    without the file (deleted, or moved away) is refused: its rows up to the checkpoint are not
+    in the checkpoint. A file deleted while the run writes it is put back from the open handle,
+    which still holds every row, with one warning line.
     """
 
-    def __init__(self, path: Path, resume_step: int | None = None):
+    def __init__(self, path: Path, resume_step: int | None = None, warn=None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._warn = warn or (lambda line: print(line, file=sys.stderr, flush=True))
+        if resume_step is not None and not self.path.exists():
+            from opd_exp.runtime.errors import ConfigError
+
+            raise ConfigError(
+                f"hydra.run.dir: {self.path} is missing but the run resumes from its checkpoint at step {resume_step}: "
+                f"the metric rows of steps 0-{resume_step} would be lost; allowed: put metrics.jsonl back, or move "
+                f"checkpoints/ away to start the run over"
+            )
         if resume_step is not None and self.path.exists():
             kept = [line for line in self.path.read_text(errors="replace").splitlines() if _step_of(line) <= resume_step]
             # temp file + rename: a kill during the rewrite never truncates the run's history
@@ -67,9 +79,29 @@ class JsonlSink(Sink):
             os.replace(tmp, self.path)
         elif resume_step is None and self.path.exists():
             self.path.unlink()  # a fresh run in a reused folder starts a fresh file
-        self._fh = self.path.open("a")
+        self._fh = self.path.open("a+")
+
+    def _deleted(self) -> bool:
+        return not self.path.exists() or os.fstat(self._fh.fileno()).st_nlink == 0
+
+    def _restore(self) -> None:
+        """Write what the open (deleted) file holds back to ``path`` and continue there."""
+        self._fh.flush()
+        self._fh.seek(0)
+        rows = self._fh.read()
+        tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        tmp.write_text(rows)
+        os.replace(tmp, self.path)
+        self._fh.close()
+        self._fh = self.path.open("a+")
+        self._warn(
+            f"opd-train: warning: {self.path} was deleted during the run; rewritten from this run's "
+            f"{rows.count(chr(10))} rows, the next rows follow"
+        )
 
     def log(self, metrics, step):
+        if self._deleted():
+            self._restore()
         self._fh.write(json.dumps({"step": step, **_clean(metrics)}) + "\n")
         self._fh.flush()
 

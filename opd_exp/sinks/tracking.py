@@ -33,7 +33,7 @@ from typing import Any
 
 from opd_exp.divergences import DIVERGENCES, parameter_names
 from opd_exp.runtime.errors import ConfigError
-from opd_exp.runtime.secrets import REDACTED, SECRET_NAME, plain_config, scrub, secret_values  # noqa: F401  (W&B's config)
+from opd_exp.runtime.secrets import REDACTED, SECRET_NAME, plain_config, redact_label, scrub, scrub_text, secret_values  # noqa: F401
 from opd_exp.sinks import Sink, _clean
 
 MAX_TAG = 64  # W&B's limit on one tag
@@ -161,6 +161,10 @@ def start_run(
     (run_dir / "wandb").mkdir(parents=True, exist_ok=True)
 
     def init(m: str):
+        with scrubbed_argv():  # W&B records the command line (``args`` in run-*.wandb)
+            return _init(m)
+
+    def _init(m: str):
         return wandb.init(
             project=project,
             entity=entity,
@@ -194,6 +198,18 @@ def start_run(
         return init("offline")
     except Exception as ex:
         raise TrackingError(f"logger=wandb could not start offline either: {_one_line(ex)}; allowed: logger=none") from None
+
+
+@contextlib.contextmanager
+def scrubbed_argv():
+    """``sys.argv`` with credentials redacted while W&B reads it (its settings copy the command
+    line into the run's metadata), restored afterwards."""
+    saved = list(sys.argv)
+    sys.argv = [scrub_text(a) for a in saved]
+    try:
+        yield
+    finally:
+        sys.argv = saved
 
 
 def define_metrics(run) -> None:
@@ -233,18 +249,24 @@ class WandbSink(Sink):
         run_dir = Path(run_dir)
         job = hydra_job()
         config = scrub(plain_config(config or {}))
+        if "name" in config:
+            config["name"] = redact_label(config["name"])
+        if isinstance(config.get("logger"), dict):  # the labels W&B shows: group and tags
+            lg = config["logger"]
+            lg["group"] = redact_label(lg.get("group"))
+            lg["tags"] = [redact_label(t) for t in lg.get("tags") or []]
         overrides = job.overrides if overrides is None else list(overrides)
         run_id = read_run_id(run_dir) or os.environ.get("WANDB_RUN_ID") or uuid.uuid4().hex[:12]
         self._run = start_run(
             run_dir,
             project=project,
             entity=entity,
-            group=run_group(group, job),
+            group=redact_label(run_group(group, job)),
             job_type=job_type,
-            tags=run_tags(tags, overrides, config.get("divergence")),
+            tags=[redact_label(t) for t in run_tags(tags, overrides, config.get("divergence"))],
             mode=mode,
             on_error=on_error,
-            name=name or (run_dir.name if job.multirun else None),
+            name=redact_label(name or (run_dir.name if job.multirun else None)),
             config=config,
             run_id=run_id,
         )

@@ -9,6 +9,7 @@ shipped with the project).
 
 from __future__ import annotations
 
+import codecs
 import json
 import random
 from functools import cached_property
@@ -55,8 +56,14 @@ def read_rows(path: Path) -> list[dict]:
             raise ConfigError(
                 f"task.path: {str(path)!r} is parquet but `pyarrow` is not installed; allowed: a .jsonl file, or `pip install pyarrow`"
             ) from None
-        return pq.read_table(path).to_pylist()
+        try:
+            return pq.read_table(path).to_pylist()
+        except Exception as exc:  # pyarrow's ArrowInvalid / OSError for a cut or damaged file
+            raise ConfigError(
+                f"task.path: {str(path)!r} is not a readable parquet file ({first_line(exc, 160)}); allowed: a complete .parquet file"
+            ) from None
     data = path.read_bytes()
+    data = data.removeprefix(codecs.BOM_UTF8)  # a byte-order mark (Windows editors), as 'utf-8-sig' reads it
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -66,9 +73,15 @@ def read_rows(path: Path) -> list[dict]:
         ) from None
     if path.suffix == ".json":
         try:
-            return list(json.loads(text))
+            data = json.loads(text)
         except ValueError:
             raise ConfigError(f"task.path: {path} is not valid JSON; allowed: a JSON list of objects") from None
+        if not isinstance(data, list):
+            raise ConfigError(
+                f"task.path: {path} holds a JSON {type(data).__name__}, not a list of rows; allowed: a JSON list of objects "
+                f'([{{"question": ..., "answer": "... #### <n>"}}, ...]) or one object per line in a .jsonl file'
+            )
+        return data
     rows = []
     for n, line in enumerate(text.splitlines(), 1):
         if line.strip():  # blank lines are skipped

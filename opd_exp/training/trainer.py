@@ -44,6 +44,7 @@ from opd_exp.runtime.errors import ConfigError
 from opd_exp.runtime.guards import Diverged, NonFinite, Preempted, PreemptionGuard, StepGuard, nonfinite_summary
 from opd_exp.sinks import JsonlSink, MultiSink, Progress, Sink
 from opd_exp.training.evaluate import Evaluator
+from opd_exp.training.memory import check_step_memory
 from opd_exp.training.objective import TOKEN_METRICS, Objective, Tally, metric_beta
 from opd_exp.training.rollout import HfRollout, RolloutEngine, checkpoint_sampling_settings
 from opd_exp.training.scoring import InProcessTeacher, dropout_off, student_logits
@@ -97,6 +98,9 @@ class Trainer:
                 )
         self.student = prec.prepare_student(pair.student, tc, self.device)  # dtype, grad ckpt, LoRA
         teacher_device = prec.teacher_device(tc, self.device)
+        check_step_memory(  # one line now, not an out-of-memory error minutes later
+            cfg, self.student, self.vocab_size, self.device, world_size=self.dist.world_size, teacher_here=teacher_device == self.device
+        )
         self.teacher = prec.prepare_teacher(pair.teacher, tc, teacher_device)  # frozen, no grad
         self.student.train()
         self.autocast = partial(prec.autocast, self.device, tc.precision.value)
@@ -390,7 +394,7 @@ class Trainer:
     def _sinks(self, resume_step: int | None) -> Sink:
         if not self.dist.is_main:  # metrics.jsonl and W&B belong to rank 0
             return MultiSink([])
-        sinks: list[Sink] = [JsonlSink(self.run_dir / "metrics.jsonl", resume_step=resume_step)]
+        sinks: list[Sink] = [JsonlSink(self.run_dir / "metrics.jsonl", resume_step=resume_step, warn=self.warn)]
         extra = list(self._extra_sinks or [])
         if self.cfg.logger.name is LoggerName.wandb and not any(getattr(s, "is_wandb", False) for s in extra):
             from opd_exp.sinks.tracking import WandbSink
