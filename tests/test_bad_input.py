@@ -17,6 +17,8 @@ import torch
 import opd_exp.training.rollout as rollout_mod
 import opd_exp.training.scoring as scoring_mod
 from helpers.reliability import BASE, one_error_line, pair_args, read_metrics, run_in_process
+from opd_exp.config.world import TASKS
+from opd_exp.divergences import DIVERGENCES
 from opd_exp.runtime import checkpoint
 
 MINI = Path(__file__).resolve().parents[1] / "opd_exp" / "data" / "gsm8k_mini.jsonl"
@@ -64,7 +66,7 @@ cfg("config/max_bad_steps_0", ["trainer.max_bad_steps=0"], "trainer.max_bad_step
 cfg("config/device_unknown", ["trainer.device=tpu"], "trainer.device='tpu' is not allowed; allowed: auto, cpu, cuda, cuda:N, mps")
 cfg("config/unknown_key_plus", ["+foo=1"], "foo: unknown key; allowed:")
 cfg("config/unknown_key_in_group", ["trainer.nope=1"], "trainer.nope")
-cfg("config/unknown_group_option", ["divergence=nope"], "divergence=nope: no such option; allowed: fkl, jsd, rkl, skl, srkl, tvd")
+cfg("config/unknown_group_option", ["divergence=nope"], "divergence=nope: no such option; allowed: " + ", ".join(sorted(DIVERGENCES)))
 cfg("config/wrong_type", ["trainer.lr=abc"], "trainer.lr")
 cfg(
     "config/direct_with_sampled",
@@ -72,7 +74,7 @@ cfg(
     "loss.name='direct' is not allowed; allowed: ppo or reinforce with estimator=sampled",
 )
 cfg("config/ppo_with_full", ["loss=ppo", "estimator=full"], "estimator.name='full' is not allowed; allowed: sampled with loss=ppo")
-cfg("config/unknown_task", ["task.name=mmlu"], "task.name: got 'mmlu'; allowed: arithmetic | gsm8k")
+cfg("config/unknown_task", ["task.name=mmlu"], "task.name: got 'mmlu'; allowed: " + " | ".join(TASKS))
 
 
 # -- data ---------------------------------------------------------------------------------

@@ -36,13 +36,51 @@ def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-class DivergenceName(Enum):
-    rkl = "rkl"
-    fkl = "fkl"
-    jsd = "jsd"
-    skl = "skl"
-    srkl = "srkl"
-    tvd = "tvd"
+class _RegistryChoice(Enum):
+    """An enum whose members are the names in a registry, kept in step with it: a name
+    registered later (``register_divergence``) becomes a member, so OmegaConf accepts it and
+    an unknown name still fails with the list of valid ones."""
+
+    @classmethod
+    def _missing_(cls, value):
+        # a pickled member from a process whose plugins registered it (joblib launcher jobs)
+        from opd_exp.config.plugins import load_plugins
+
+        load_plugins()
+        return cls._value2member_map_.get(value)
+
+    @classmethod
+    def _add(cls, value: str) -> None:
+        if value in cls._value2member_map_:
+            return
+        member = object.__new__(cls)
+        member._name_ = member._value_ = value
+        member.__objclass__ = cls
+        member.__init__(value)
+        setattr(cls, value, member)  # DivergenceName.<name>, before it is a member (no reassign check)
+        cls._member_names_.append(value)
+        cls._member_map_[value] = member
+        cls._value2member_map_[value] = member
+
+
+def _divergence_choices():
+    from opd_exp.divergences import DIVERGENCES
+
+    return [(n, n) for n in DIVERGENCES]
+
+
+# Built from the divergence registry (rkl, fkl, jsd, skl, srkl, tvd, and registered ones).
+DivergenceName = _RegistryChoice("DivergenceName", _divergence_choices())
+
+
+def _on_new_divergence(cls) -> None:
+    unknown = [k for k in cls.param_names if k not in _DIVERGENCE_KEYS]
+    if unknown:
+        raise ValueError(
+            f"register_divergence: {cls.__name__} takes {', '.join(unknown)}, which the config cannot set; "
+            f"allowed parameter names: {', '.join(_DIVERGENCE_KEYS)} (keys of divergence.)"
+        )
+    DivergenceName._add(cls.name)
 
 
 class EstimatorName(Enum):
@@ -120,10 +158,23 @@ class DivergenceConfig:
             _check(_finite(self.clip) and self.clip > 0, "divergence.clip", self.clip, "null or > 0")
 
     def params(self) -> dict[str, float]:
-        """Keyword arguments of ``get_divergence`` for this divergence (unset ones left out)."""
+        """Keyword arguments of ``get_divergence`` for this divergence (unset ones left out);
+        also what W&B logs of this group (a jsd run has no alpha)."""
         from opd_exp.divergences import parameter_names
 
         return {k: getattr(self, k) for k in parameter_names(self.name.value) if getattr(self, k) is not None}
+
+
+_DIVERGENCE_KEYS = ("beta", "alpha", "clip")  # the DivergenceConfig fields a divergence may take
+
+
+def _hook_registry() -> None:
+    from opd_exp.divergences import on_register
+
+    on_register(_on_new_divergence)
+
+
+_hook_registry()
 
 
 @dataclass

@@ -7,6 +7,9 @@ Imports torch and nothing else of ours, so notebooks and other projects can use 
     cost = d.token_cost(s, t)        # REINFORCE cost of sampled tokens
     value = d.token_value(s, t)      # unbiased estimate of D
     exact = d.full(student_logits, teacher_logits, temperature=1.0, mask=mask)
+
+A new divergence is one class with ``@register_divergence``; ``check_divergence(d)`` runs the
+exactness checks on it (docs/extending.md).
 """
 
 from .catalog import (
@@ -18,15 +21,25 @@ from .catalog import (
     SkewForwardKL,
     SkewReverseKL,
     TotalVariation,
+    divergence_class,
     get_divergence,
+    on_register,
     parameter_names,
+    register_divergence,
 )
+from .check import CheckReport, DivergenceCheckError, check_divergence
 from .credit import sequence_returns
 from .full import default_chunk_size
 from .reduce import masked_mean, masked_sum
 from .topk import topk_estimate
 
 __all__ = [
+    "CheckReport",
+    "DivergenceCheckError",
+    "check_divergence",
+    "divergence_class",
+    "on_register",
+    "register_divergence",
     "DIVERGENCES",
     "Divergence",
     "ForwardKL",
