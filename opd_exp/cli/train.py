@@ -23,7 +23,12 @@ from opd_exp.config import TrainConfig, register_configs
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.runtime.guards import EXIT_CONFIG, EXIT_DIVERGED, EXIT_PREEMPTED, Diverged, Preempted
 
-register_configs()
+try:
+    register_configs()  # loads OPD_PLUGINS first: their divergences and tasks become choices
+except ConfigError as _ex:  # a plugin that does not import: one line from main()
+    _PLUGIN_ERROR: ConfigError | None = _ex
+else:
+    _PLUGIN_ERROR = None
 register_sweeps()  # sweeps/ on Hydra's search path: `opd-train -m sweep=<name>`
 
 
@@ -172,6 +177,8 @@ def main() -> None:
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    if _PLUGIN_ERROR is not None:
+        _fail(_PLUGIN_ERROR)
     user_wants_full = bool(os.environ.get("HYDRA_FULL_ERROR"))
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach us instead of Hydra's printer
     try:

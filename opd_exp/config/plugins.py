@@ -54,7 +54,9 @@ def load_plugins() -> list[str]:
         except ConfigError:
             raise
         except Exception as ex:
-            raise ConfigError(f"{ENV}: cannot import {spec!r}: {type(ex).__name__}: {first_line(ex)}; allowed: an importable module or .py file") from None
+            raise ConfigError(
+                f"{ENV}: cannot import {spec!r}: {type(ex).__name__}: {first_line(ex)}; allowed: an importable module or .py file"
+            ) from None
         loaded.append(spec)
     for ep in entry_points(group=GROUP):
         key = f"entry point {ep.name}"

@@ -375,7 +375,9 @@ def register_divergence(cls: type[Divergence] | None = None, *, replace: bool = 
         if getattr(c, "__abstractmethods__", None):
             raise TypeError(f"register_divergence: {c.__name__} leaves {', '.join(sorted(c.__abstractmethods__))} unimplemented")
         if name in _REGISTRY and _REGISTRY[name] is not c and not replace:
-            raise ValueError(f"register_divergence: {name!r} is already registered ({_REGISTRY[name].__name__}); allowed: a new name, or replace=True")
+            raise ValueError(
+                f"register_divergence: {name!r} is already registered ({_REGISTRY[name].__name__}); allowed: a new name, or replace=True"
+            )
         for listener in _LISTENERS:
             listener(c)  # may refuse (e.g. a parameter the config has no key for) before it is added
         _REGISTRY[name] = c

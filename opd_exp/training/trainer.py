@@ -123,11 +123,7 @@ class Trainer:
             eval_problems,
             batch_size=tc.eval_batch_size,
             teacher=self.teacher_scorer,
-            divergences={
-                "eval/jsd": get_divergence("jsd", beta=metric_beta(cfg)),
-                "eval/kl_reverse": get_divergence("rkl"),
-                "eval/kl_forward": get_divergence("fkl"),
-            },
+            divergences=self._eval_divergences(),
             student_logits=lambda b: self._student_logits(self.student, b),
             chunk_size=cfg.estimator.chunk_size,
             on_prompts=self._count_truncated,
@@ -141,6 +137,24 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.state = TrainState(cursor=DataCursor(len(self.train_problems), cfg.seed), guard=StepGuard(tc.max_bad_steps))
         self._extra_sinks = sinks
+
+    def _eval_divergences(self) -> dict:
+        """The fixed eval divergences (one axis for every variant), plus ``eval/<name>``: the
+        trained divergence at its own parameters (what this variant optimises). When it equals
+        one of the fixed ones (jsd at its beta, rkl, fkl) it is that value, not a second pass."""
+        cfg = self.cfg
+        divs = {
+            "eval/jsd": get_divergence("jsd", beta=metric_beta(cfg)),
+            "eval/kl_reverse": get_divergence("rkl"),
+            "eval/kl_forward": get_divergence("fkl"),
+        }
+        name = cfg.divergence.name.value
+        own = get_divergence(name, **cfg.divergence.params())
+        self.own_eval_key = f"eval/{name}"
+        self._own_alias = next((k for k, d in divs.items() if type(d) is type(own) and d.params() == own.params()), None)
+        if self._own_alias is None:
+            divs[self.own_eval_key] = own
+        return divs
 
     @property
     def step(self) -> int:
@@ -323,6 +337,8 @@ class Trainer:
             out = self.evaluator(self.eval_engines["student"], self.device)
         finally:
             self.student.train(was_training)
+        if self._own_alias is not None and self._own_alias in out:
+            out[self.own_eval_key] = out[self._own_alias]
         if self.state.teacher_accuracy is None:
             self.state.teacher_accuracy = self.evaluator.accuracy(self.eval_engines["teacher"])
             out["eval/teacher_accuracy"] = self.state.teacher_accuracy
@@ -434,7 +450,7 @@ class Trainer:
     def summary(self) -> dict[str, Any]:
         before, after = self.state.eval_before, self.state.eval_last
         out: dict[str, Any] = {"steps": self.step, "elapsed_s": round(self.state.elapsed_s, 1)}
-        for key in ("eval/accuracy", "eval/kl_reverse", "eval/kl_forward", "eval/jsd"):
+        for key in dict.fromkeys(("eval/accuracy", "eval/kl_reverse", "eval/kl_forward", "eval/jsd", self.own_eval_key)):
             if key in before:
                 out[f"{key}_before"] = before[key]
             if key in after:
