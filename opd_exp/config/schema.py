@@ -302,6 +302,11 @@ class TrainerConfig:
     num_threads: int = 1
     # console progress bar
     progress: bool = True
+    # resume a run folder whose checkpoint was made with other settings (e.g. a larger
+    # max_steps): without it such a resume is refused, naming the keys that differ. The
+    # learning rate continues from the checkpoint's value, decaying over the remaining steps;
+    # each session's overrides are appended to <run>/history.yaml
+    extend: bool = False
     # stop (exit 3) after this many steps in a row whose loss, gradient norm or teacher
     # log-probs were NaN/inf; each such step is skipped (no update) and counted
     max_bad_steps: int = 10

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import random
 import signal
@@ -44,6 +45,7 @@ from opd_exp.runtime import precision as prec
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.runtime.guards import Diverged, NonFinite, Preempted, PreemptionGuard, StepGuard, nonfinite_summary
 from opd_exp.sinks import JsonlSink, MultiSink, Progress, Sink
+from opd_exp.training import fingerprint
 from opd_exp.training.evaluate import Evaluator
 from opd_exp.training.objective import TOKEN_METRICS, Objective, metric_beta
 from opd_exp.training.rollout import HfRollout, RolloutEngine
@@ -134,9 +136,12 @@ class Trainer:
         self.train_module = dist_util.wrap_student(self.student, self.dist, self.device)
         self.params = [p for p in self.student.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
+        self._lr_segments: list[dict[str, Any]] = []  # schedule continuations made by trainer.extend
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.state = TrainState(cursor=DataCursor(len(self.train_problems), cfg.seed), guard=StepGuard(tc.max_bad_steps))
         self._extra_sinks = sinks
+        self.fingerprint = fingerprint.config_fingerprint(cfg)
+        self._session: dict[str, Any] = {"session": "start", "from_step": 0}
 
     def _eval_divergences(self) -> dict:
         """The fixed eval divergences (one axis for every variant), plus ``eval/<name>``: the
@@ -161,11 +166,19 @@ class Trainer:
         return self.state.step
 
     def warn(self, line: str) -> None:
-        """One line on stderr (through the progress bar while it is shown)."""
+        """One line on stderr (through the progress bar while it is shown), and in train.log."""
         if self._progress is not None:
             self._progress.write(line)
         else:
             print(line, file=sys.stderr, flush=True)
+        self.log_line(line)
+
+    def log_line(self, line: str) -> None:
+        """Append to ``<run>/train.log`` (Hydra's job log file): the console's lines, kept."""
+        if not self.dist.is_main:
+            return
+        with contextlib.suppress(OSError), open(self.run_dir / "train.log", "a", encoding="utf-8") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
 
     def _warn_once(self, kind: str, text: str) -> None:
         if kind not in self._warned:
@@ -187,12 +200,21 @@ class Trainer:
 
     def _lr_factor(self, step: int) -> float:
         tc = self.cfg.trainer
+        seg = next((g for g in reversed(self._lr_segments) if step >= g["start"]), None)
+        if seg is not None:  # an extended run: from the checkpoint's factor, same shape, to the new end
+            frac = min((step - seg["start"]) / max(seg["end"] - seg["start"], 1), 1.0)
+            return seg["factor"] * self._shape(frac)
         if tc.warmup_steps and step < tc.warmup_steps:
             return (step + 1) / tc.warmup_steps
         frac = min(max(step - tc.warmup_steps, 0) / max(tc.max_steps - tc.warmup_steps, 1), 1.0)
-        if tc.schedule is Schedule.linear:
+        return self._shape(frac)
+
+    def _shape(self, frac: float) -> float:
+        """The decay after warm-up, 1 at frac=0 and (linear, cosine) 0 at frac=1."""
+        schedule = self.cfg.trainer.schedule
+        if schedule is Schedule.linear:
             return 1.0 - frac
-        if tc.schedule is Schedule.cosine:
+        if schedule is Schedule.cosine:
             return 0.5 * (1.0 + math.cos(math.pi * frac))
         return 1.0
 
@@ -354,9 +376,10 @@ class Trainer:
             optimizer = dist_util.Frozen(dist_util.FullOptimizerView(self.student, self.optimizer).state_dict())
         path = checkpoint.checkpoint_root(self.run_dir) / f"step_{self.step:06d}"
         if ds.is_main:
-            path = checkpoint.save(
-                self.run_dir, self.step, model, optimizer, self.scheduler, self.state.state_dict(), keep=self.cfg.trainer.keep_checkpoints
-            )
+            loop = {**self.state.state_dict(), "config": self.fingerprint, "config_hash": fingerprint.short_hash(self.fingerprint)}
+            if self._lr_segments:
+                loop["lr_segments"] = self._lr_segments
+            path = checkpoint.save(self.run_dir, self.step, model, optimizer, self.scheduler, loop, keep=self.cfg.trainer.keep_checkpoints)
         dist_util.barrier(ds)
         return path
 
@@ -368,8 +391,42 @@ class Trainer:
         found = checkpoint.restore(self.run_dir, model, optimizer, self.scheduler, warn=self.warn)
         if found is None:
             return False
-        self.state.load_state_dict(*found)
+        step, loop = found
+        self._check_settings(step, loop.pop("config", None))
+        loop.pop("config_hash", None)
+        self._lr_segments += loop.pop("lr_segments", [])
+        self.state.load_state_dict(step, loop)
+        where = checkpoint.checkpoint_root(self.run_dir) / f"step_{step:06d}"
+        self.warn(f"opd-train: resuming from step {step} (checkpoint {where})")
         return True
+
+    def _check_settings(self, step: int, stored: dict[str, Any] | None) -> None:
+        """Refuse a resume with other settings unless ``trainer.extend``; with it, continue the
+        learning-rate schedule from the checkpoint's value over the new remaining steps."""
+        self._session = {"session": "resume", "from_step": step}
+        if stored is None:
+            self._warn_once("no_fingerprint", "the checkpoint records no settings (written by an older version): not compared")
+            return
+        diff = fingerprint.differences(stored, self.fingerprint)
+        if not diff:
+            return
+        tc = self.cfg.trainer
+        if not tc.extend:
+            raise ConfigError(
+                f"hydra.run.dir: {self.run_dir} holds a run made with other settings ({fingerprint.describe(diff)}); "
+                f"allowed: the same settings to resume it, trainer.extend=true to continue it with these "
+                f"(recorded in {fingerprint.HISTORY}), or a new hydra.run.dir"
+            )
+        group = self.optimizer.param_groups[0]
+        base = self.scheduler.base_lrs[0]
+        factor = group["lr"] / base if base else 0.0
+        self._lr_segments.append({"start": step, "factor": factor, "end": tc.max_steps})
+        self._session = {"session": "extend", "from_step": step, "changed": {k: [a, b] for k, (a, b) in diff.items()}}
+        self.warn(
+            f"opd-train: extending the run from step {step} with other settings ({fingerprint.describe(diff)}); "
+            f"the learning rate continues from {group['lr']:.3g} to the end of the {tc.schedule.value} schedule at step {tc.max_steps}; "
+            f"recorded in {self.run_dir / fingerprint.HISTORY}"
+        )
 
     # -- the run --------------------------------------------------------------
     def _sinks(self, resume_step: int | None) -> Sink:
@@ -397,12 +454,19 @@ class Trainer:
         if isinstance(summary, Preempted):
             raise summary
         if summary and self.dist.is_main:
-            print(self.summary_line(summary), flush=True)  # stdout: `opd-train | tail -1` is the result
+            line = self.summary_line(summary)
+            print(line, flush=True)  # stdout: `opd-train | tail -1` is the result
+            self.log_line(line)
+            self.log_line("summary: " + json.dumps(summary, sort_keys=True, default=str))
         return summary
 
     def _run(self, preempt: PreemptionGuard, stop_after: int | None):
         tc, state = self.cfg.trainer, self.state
         resumed = self.resume()
+        if self.dist.is_main:
+            from opd_exp.sinks.tracking import hydra_job
+
+            fingerprint.append_history(self.run_dir, {**self._session, "overrides": hydra_job().overrides})
         sink = self._sinks(resume_step=self.step if resumed else None)
         self._progress = progress = Progress(tc.max_steps, initial=self.step, enabled=tc.progress)
         t_start = time.perf_counter() - state.elapsed_s
