@@ -11,7 +11,7 @@ import pytest
 from helpers.tiny import AddTask, small_config
 from opd_exp.runtime import checkpoint
 from opd_exp.runtime.errors import ConfigError
-from opd_exp.training.fingerprint import config_fingerprint, read_history
+from opd_exp.runtime.fingerprint import config_fingerprint, read_history
 from opd_exp.training.trainer import Trainer
 
 LR = 1e-2

@@ -39,13 +39,12 @@ import torch
 
 from opd_exp.config.schema import LoggerName, Schedule, TrainConfig
 from opd_exp.divergences import get_divergence
-from opd_exp.runtime import checkpoint
+from opd_exp.runtime import checkpoint, fingerprint
 from opd_exp.runtime import distributed as dist_util
 from opd_exp.runtime import precision as prec
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.runtime.guards import Diverged, NonFinite, Preempted, PreemptionGuard, StepGuard, nonfinite_summary
 from opd_exp.sinks import JsonlSink, MultiSink, Progress, Sink
-from opd_exp.training import fingerprint
 from opd_exp.training.evaluate import Evaluator
 from opd_exp.training.objective import TOKEN_METRICS, Objective, metric_beta
 from opd_exp.training.rollout import HfRollout, RolloutEngine
