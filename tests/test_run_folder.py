@@ -45,7 +45,9 @@ def test_resume_with_other_settings_is_refused_naming_the_keys(tiny_pair, tmp_pa
         Trainer(_cfg(max_steps=8, lr=2e-2), tmp_path, pair=tiny_pair, task=AddTask()).run()
     msg = str(ex.value)
     assert "\n" not in msg
-    assert msg.startswith(f"hydra.run.dir: {tmp_path} holds a run made with other settings (trainer.lr: 0.01 -> 0.02, trainer.max_steps: 4 -> 8)")
+    assert msg.startswith(
+        f"hydra.run.dir: {tmp_path} holds a run made with other settings (trainer.lr: 0.01 -> 0.02, trainer.max_steps: 4 -> 8)"
+    )
     assert "allowed: the same settings to resume it, trainer.extend=true" in msg
     # nothing was written by the refused session
     assert max(r["step"] for r in _rows(tmp_path)) == 2

@@ -46,7 +46,9 @@ def test_tags_are_the_variant_overrides_and_the_divergence():
         "logger.mode=online",
         "model_pair.student=/a/" + "x" * 100,
     ]
-    job = tracking.JobInfo(overrides=overrides, multirun=True, sweep_dir="multirun/divergence/embedded", swept=frozenset({"variant", "seed"}))
+    job = tracking.JobInfo(
+        overrides=overrides, multirun=True, sweep_dir="multirun/divergence/embedded", swept=frozenset({"variant", "seed"})
+    )
     variant = tracking.variant_overrides(overrides, job)
     assert variant == ["variant=jsd_0.5"]  # swept, and not the seed
     tags = tracking.run_tags(["mine"], variant, {"name": "jsd", "beta": 0.5, "alpha": 0.1})
@@ -75,7 +77,9 @@ def test_group_tells_sweeps_with_other_settings_apart():
     assert tracking.run_group("divergence", other_job, "embedded") == g100
     assert len(g100.rsplit("/", 1)[1]) == 8
     # no logger.group: the multirun folder is the sweep
-    adhoc = tracking.JobInfo(overrides=["divergence=rkl"], multirun=True, sweep_dir="multirun/2025-01-01/12-00-00", swept=frozenset({"divergence"}))
+    adhoc = tracking.JobInfo(
+        overrides=["divergence=rkl"], multirun=True, sweep_dir="multirun/2025-01-01/12-00-00", swept=frozenset({"divergence"})
+    )
     assert tracking.run_group(None, adhoc, "embedded").startswith("multirun/2025-01-01/12-00-00/embedded/")
     # logger.group typed on the command line is taken as it is; a single run has only that
     explicit = job("logger.group=mine")
