@@ -208,7 +208,7 @@ def test_plot_smooths_training_metrics_only_and_takes_log_y(tmp_path):
     runs = load_runs(write_multirun(tmp_path, steps=100))
     fig = plot_curves(runs, ["jsd/mean", "eval/accuracy"], logy=["jsd/mean"])
     train, ev = fig.get_axes()[:2]
-    assert train.get_title() == "train JSD (EMA-smoothed)" and ev.get_title() == "eval accuracy"
+    assert train.get_title() == "train JSD (EMA, span 4 steps)" and ev.get_title() == "eval accuracy"
     assert len(train.lines) == 4  # raw (faint) + smoothed, per variant
     raw, smoothed = train.lines[0].get_ydata(), train.lines[1].get_ydata()
     assert list(smoothed) == pytest.approx(ema(list(raw), 4.0))  # span: 100 points / 25

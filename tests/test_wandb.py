@@ -54,8 +54,8 @@ def test_tags_are_the_variant_overrides_and_the_divergence():
     tags = tracking.run_tags(["mine"], variant, {"name": "jsd", "beta": 0.5, "alpha": 0.1})
     assert tags == ["mine", "variant=jsd_0.5", "divergence=jsd", "divergence.beta=0.5"]
     # a single run: what changes the training, not its bookkeeping
-    single = ["divergence=jsd", "trainer.eval_every=25", "trainer.lr=1e-3", "seed=1", "trainer.device=cpu", "logger.mode=online"]
-    assert tracking.variant_overrides(single, tracking.JobInfo(overrides=single)) == ["divergence=jsd", "trainer.lr=1e-3"]
+    single = ["divergence=jsd", "trainer.eval_every=25", "loss.kl_coef=2", "seed=1", "trainer.device=cpu", "logger.mode=online"]
+    assert tracking.variant_overrides(single, tracking.JobInfo(overrides=single)) == ["divergence=jsd", "loss.kl_coef=2"]
     # an override that is also derived appears once
     assert tracking.run_tags([], ["divergence=rkl"], {"name": "rkl", "beta": 0.5}) == ["divergence=rkl"]
 

@@ -496,6 +496,9 @@ def short_label(variant: str) -> str:
     return f"{head}: {label}" if sep else label
 
 
+_LINESTYLES = ("-", "--", ":", "-.")
+
+
 def ema(values: Sequence[float], span: float) -> list[float]:
     """Exponential moving average with weight 2/(span+1), bias-corrected at the start (the
     first points are not pulled toward 0)."""
@@ -511,8 +514,9 @@ def ema(values: Sequence[float], span: float) -> list[float]:
 
 
 def auto_span(n_points: int) -> float:
-    """Smoothing span for a per-step curve: about 1/25 of its points (none for short runs)."""
-    return max(1.0, n_points / 25.0)
+    """Smoothing span for a per-step curve: about 1/25 of its points, at most 100 (short
+    runs are barely smoothed)."""
+    return min(max(1.0, n_points / 25.0), 100.0)
 
 
 def plot_curves(
@@ -552,9 +556,10 @@ def plot_curves(
     else:
         axes = list(getattr(axes, "flat", axes))
         fig = axes[0].figure
-    log_metrics = set(metrics) if logy is True else set(logy or ())
+    log_metrics = {m for m in metrics if not m.endswith("accuracy")} if logy is True else set(logy or ())
     groups = group_by_variant(runs)
     for ax, metric in zip(axes, metrics):
+        spans: list[float] = []
         for i, (variant, rs) in enumerate(groups.items()):
             if metric == OWN:
                 own = {r.own_metric() for r in rs} - {None}
@@ -563,7 +568,7 @@ def plot_curves(
                 c = curve(rs, metric)
             if not c["step"]:
                 continue
-            color = f"C{i % 10}"
+            color, style = f"C{i % 10}", _LINESTYLES[i % len(_LINESTYLES)]  # overlapping lines stay apart (and in print)
             mean, lo, hi = c["mean"], c["min"], c["max"]
             if band == "std":
                 lo = [m - s for m, s in zip(c["mean"], c["std"])]
@@ -571,22 +576,36 @@ def plot_curves(
             span = 1.0
             if smooth and not metric.startswith("eval/") and metric != OWN:
                 span = auto_span(len(c["step"])) if smooth is True else float(smooth)
+                spans.append(span)
             if span > 1:
                 ax.plot(c["step"], mean, color=color, alpha=0.2, linewidth=0.8)
                 mean, lo, hi = ema(mean, span), ema(lo, span), ema(hi, span)
             seeds = f"{len(rs)} seeds" if len(rs) > 1 else "1 seed"
-            ax.plot(c["step"], mean, color=color, label=f"{short_label(variant)} ({seeds})", marker="." if len(c["step"]) < 20 else None)
+            ax.plot(
+                c["step"],
+                mean,
+                color=color,
+                linestyle=style,
+                label=f"{short_label(variant)} ({seeds})",
+                marker="." if len(c["step"]) < 20 else None,
+            )
             if len(rs) > 1:
                 ax.fill_between(c["step"], lo, hi, color=color, alpha=0.2, linewidth=0)
         if metric == "eval/accuracy" and teacher:
             t = mean_std(r.final("eval/teacher_accuracy") for r in runs)
             if t[2]:
                 ax.axhline(t[0], color="0.3", linestyle="--", linewidth=1, label=f"teacher ({t[0]:.2f})")
-        smoothed = smooth and not metric.startswith("eval/") and metric != OWN
-        ax.set_title(metric_label(metric) + (" (EMA-smoothed)" if smoothed else ""))
+        span = max(spans, default=1.0)
+        ax.set_title(metric_label(metric) + (f" (EMA, span {span:.0f} steps)" if span >= 1.5 else ""))
         ax.set_xlabel("training step")
         if metric in log_metrics:
-            ax.set_yscale("log")
+            ys = [y for line in ax.lines for y in line.get_ydata()]
+            if metric.endswith("accuracy") or not ys or min(ys) <= 0:  # e.g. an unbiased KL estimate below 0
+                ax.set_title(
+                    ax.get_title() + " (linear: values ≤ 0)" if ys and min(ys) <= 0 and not metric.endswith("accuracy") else ax.get_title()
+                )
+            else:
+                ax.set_yscale("log")
         ax.grid(alpha=0.3)
     handles: dict[str, Any] = {}
     for ax in axes:  # one legend for the figure: every variant once, and the teacher line

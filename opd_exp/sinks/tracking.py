@@ -85,7 +85,8 @@ def hydra_job() -> JobInfo:
     multirun = hc.mode == RunMode.MULTIRUN
     swept: set[str] = set()
     if multirun:
-        swept |= {str(k).lstrip("+~") for k in (hc.sweeper.get("params") or {})}
+        params = hc.sweeper.get("params") or {}
+        swept |= swept_keys(f"{k}={v}" for k, v in params.items())  # a sweep file's lists, not its constants
         swept |= swept_keys(launch_overrides(Path(str(hc.sweep.dir))))
     return JobInfo(
         overrides=list(hc.overrides.task),
@@ -127,6 +128,9 @@ def swept_keys(overrides: Iterable[str]) -> set[str]:
 SEED_KEYS = ("seed",)
 # overrides that never tell a variant: where and how a run reports, not what it trains
 _NOT_VARIANT = ("hydra.", "hydra/", "logger.", "logger=", "model_pair", "task.path", "trainer.device", "trainer.num_threads")
+# in a single run, the overrides that pick the OPD variant (the rest, budgets and sizes, is
+# the setting: it is in the config, not in the tags)
+VARIANT_KEYS = ("variant", "experiment", "divergence", "estimator", "loss", "rollout.on_policy_fraction")
 
 
 def _key(override: str) -> str:
@@ -135,8 +139,8 @@ def _key(override: str) -> str:
 
 def variant_overrides(overrides: Iterable[str], job: JobInfo) -> list[str]:
     """The overrides that define this run's variant: in a multirun the swept ones (not the
-    seed); in a single run those that change what is trained (not ``trainer.eval_every=25``,
-    the device, the logger, the pair's paths)."""
+    seed); in a single run those that pick the variant (``VARIANT_KEYS``: divergence,
+    estimator, loss, ...; not ``trainer.eval_every=25``, budgets, the device, the logger)."""
     from opd_exp.runtime.fingerprint import IGNORED
 
     out = []
@@ -148,7 +152,7 @@ def variant_overrides(overrides: Iterable[str], job: JobInfo) -> list[str]:
         if job.multirun and job.swept:
             if k in job.swept:
                 out.append(o)
-        elif k not in IGNORED and k != "sweep":
+        elif k not in IGNORED and (k in VARIANT_KEYS or k.startswith(tuple(f"{v}." for v in VARIANT_KEYS))):
             out.append(o)
     return out
 
