@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import json
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,7 +34,15 @@ from opd_exp.tasks.arithmetic import ArithmeticSpec, eval_split, train_split
 log = logging.getLogger("opd_exp.pairs")
 
 # Bump when generation, tokenizer or training code changes what an entry contains.
-WORLD_VERSION = 2  # 2: SFT batches no longer length-bucketed (entries built before were worse teachers)
+# 2: SFT batches no longer length-bucketed (entries built before were worse teachers)
+# 3: SFT data excludes a fixed pool of eval problems, so task.n_eval is not part of the key
+WORLD_VERSION = 3
+# The SFT data never holds one of the first EVAL_POOL eval problems (the eval split is a
+# prefix of that stream), so any task.n_eval up to it uses the same prepared pair.
+EVAL_POOL = 2000
+# Seconds per SFT step of the default teacher (hidden 64, 2 layers, batch 64) on one core of
+# a shared 2-core machine (4000 steps took about 6 min): the announced estimate scales it.
+SECONDS_PER_STEP = 0.09
 
 
 @dataclass
@@ -83,10 +93,24 @@ def model_key(role: str, pair: EmbeddedPairConfig, task: TaskConfig) -> dict:
             "max_operands": task.max_operands,
             "max_digits": task.max_digits,
             "ops": task.ops,
-            "n_eval": task.n_eval,
+            "eval_pool": eval_pool(task)[0],
             "eval_seed": task.eval_seed,
         },
     }
+
+
+def eval_pool(task: TaskConfig) -> tuple[int, list]:
+    """(size, problems) of the eval problems the SFT data excludes: ``EVAL_POOL`` (or
+    ``task.n_eval`` if larger), or just ``task.n_eval`` when the task's difficulty has fewer
+    distinct problems than the pool."""
+    from opd_exp.runtime.errors import ConfigError
+
+    spec = _spec(task)
+    n = max(EVAL_POOL, task.n_eval)
+    try:
+        return n, eval_split(spec, n, task.eval_seed)
+    except ConfigError:  # a small problem space: exclude exactly the eval set
+        return task.n_eval, eval_split(spec, task.n_eval, task.eval_seed)
 
 
 def auto_threads() -> int:
@@ -130,7 +154,7 @@ def _build_model(folder: Path, role: str, pair: EmbeddedPairConfig, task: TaskCo
     recipe: EmbeddedModelConfig = getattr(pair, role)
     tokenizer = load_tokenizer(tok_dir)
     spec = _spec(task)
-    evals = eval_split(spec, task.n_eval, task.eval_seed)
+    _, evals = eval_pool(task)  # the eval set is a prefix of this pool
     # SFT data: drawn from the pair's own seed, never touching the task's eval set.
     problems = train_split(spec, pair.n_sft, seed=10_000 + pair.seed, exclude={p.prompt for p in evals})
     seed = pair.seed * 2 + (0 if role == "teacher" else 1)
@@ -185,10 +209,50 @@ def prepare_embedded(pair_cfg: Any = None, task_cfg: Any = None, *, progress: bo
         tok_dir = cache.get_or_build("embedded-tokenizer", keys["tokenizer"], _build_tokenizer)
         folders = {}
         for role in ("teacher", "student"):
+            if cache.check_entry(cache.entry_path(f"embedded-{role}", keys[role])) is not None:
+                announce(build_announcement(role, getattr(pair, role), keys[role]))
             folders[role] = cache.get_or_build(
                 f"embedded-{role}",
                 keys[role],
                 lambda tmp, role=role: _build_model(tmp, role, pair, task, tok_dir, progress),
             )
-    info = {role: cache.read_manifest(folders[role]).get("info", {}) for role in folders}
+    info = {role: {**cache.read_manifest(folders[role]).get("info", {}), "hash": cache.read_manifest(folders[role]).get("hash")} for role in folders}
     return PreparedPair(student=folders["student"], teacher=folders["teacher"], tokenizer=tok_dir, info=info)
+
+
+def announce(line: str) -> None:
+    """One line on stderr before a build starts (the build itself shows a progress bar)."""
+    print(line, file=sys.stderr, flush=True)
+
+
+def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(d, dict):
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: d}
+
+
+def build_announcement(role: str, recipe: EmbeddedModelConfig, key: dict) -> str:
+    """What is built, why (first build, or which recipe keys differ from the newest cached
+    entry), where, and about how long."""
+    kind = f"embedded-{role}"
+    path = cache.entry_path(kind, key)
+    cached = cache.cached_keys(kind)
+    if cached:
+        old = _flat(cached[0][1].get("key", {}))
+        new = _flat(json.loads(json.dumps(key, default=str)))
+        diff = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+        why = f"its recipe differs from the cached one ({', '.join(diff[:4]) or 'same recipe, entry damaged'})"
+    else:
+        why = "not in the cache yet (first run on this machine)"
+    default = _teacher_defaults()
+    scale = (recipe.hidden_size / default.hidden_size) ** 2 * (recipe.num_layers / default.num_layers) * (recipe.batch_size / default.batch_size)
+    minutes = recipe.sft_steps * SECONDS_PER_STEP * scale / 60
+    took = f"about {minutes:.0f} min" if minutes >= 1 else "under a minute"
+    return f"opd-exp: building the embedded {role} once ({recipe.sft_steps} SFT steps, {took} on a laptop CPU): {why}; cached in {path}"
+
+
+def _teacher_defaults() -> EmbeddedModelConfig:
+    return EmbeddedPairConfig().teacher
