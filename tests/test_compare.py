@@ -142,6 +142,17 @@ def test_compare_on_a_real_tiny_multirun(tmp_path):
     ]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    # the prepared pair is recorded: its cache hash and the accuracies measured when it was built
+    import json
+
+    summary = json.loads((sweep / "0" / "summary.json").read_text())
+    manifest = json.loads((next((tmp_path / "cache").glob("embedded-teacher-*")) / "opd-exp-manifest.json").read_text())
+    assert summary["pair"]["teacher"] == {
+        "hash": manifest["hash"], "accuracy": manifest["info"]["accuracy"], "format_rate": manifest["info"]["format_rate"], "n_check": 4
+    }  # fmt: skip
+    assert set(summary["pair"]["student"]) == {"hash", "accuracy", "format_rate", "n_check"}
+    assert "opd-exp: building the embedded teacher once" in done.stderr  # announced, once: the other jobs reuse it
+    assert done.stderr.count("opd-exp: building the embedded teacher once") == 1
     done = subprocess.run(
         [sys.executable, "-m", "opd_exp.cli.compare", str(sweep), "--plot", str(tmp_path / "c.png")],
         capture_output=True,

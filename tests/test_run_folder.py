@@ -84,3 +84,12 @@ def test_extend_keeps_the_learning_rate_continuous_and_records_the_session(tiny_
     state = json.loads((checkpoint.latest(tmp_path) / "state.json").read_text())
     assert state["config"]["trainer.max_steps"] == 8 and state["lr_segments"] == [{"start": 2, "factor": 0.5, "end": 8}]
     Trainer(_cfg(max_steps=8), tmp_path, pair=tiny_pair, task=AddTask()).run()
+
+
+def test_eval_size_larger_than_the_eval_split_is_refused(tiny_pair, tmp_path):
+    with pytest.raises(ConfigError) as ex:
+        Trainer(_cfg(eval_size=100), tmp_path, pair=tiny_pair, task=AddTask(n_eval=16))
+    assert str(ex.value) == (
+        "trainer.eval_size=100 is more than the 16 eval problems of task 'arithmetic'; "
+        "allowed: 0 (the whole split) up to 16, or a larger task.n_eval"
+    )

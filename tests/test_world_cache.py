@@ -10,8 +10,7 @@ import torch
 
 from opd_exp.cli.prepare import main as prepare_main
 from opd_exp.config.world import EmbeddedModelConfig, EmbeddedPairConfig, TaskConfig
-from opd_exp.pairs.embedded import cache
-from opd_exp.pairs.embedded import prepare
+from opd_exp.pairs.embedded import cache, prepare
 from opd_exp.pairs.embedded.prepare import prepare_embedded
 from opd_exp.tasks.arithmetic import ArithmeticTask
 
@@ -189,7 +188,9 @@ def test_n_eval_does_not_rebuild_and_every_build_is_announced(tmp_path, monkeypa
     assert (again.teacher, again.student) == (first.teacher, first.student)
     assert "opd-exp:" not in capsys.readouterr().err
     # a recipe change is announced with its reason
-    prepare_embedded(EmbeddedPairConfig(teacher=_tiny(3), student=_tiny(), n_sft=64, n_check=8, threads=1), TaskConfig(n_eval=20), progress=False)
+    prepare_embedded(
+        EmbeddedPairConfig(teacher=_tiny(3), student=_tiny(), n_sft=64, n_check=8, threads=1), TaskConfig(n_eval=20), progress=False
+    )
     (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("opd-exp:")]
     assert line.startswith("opd-exp: building the embedded teacher once (3 SFT steps")
     assert "its recipe differs from the cached one (model.sft_steps: 5 -> 3)" in line

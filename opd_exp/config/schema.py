@@ -283,8 +283,8 @@ class TrainerConfig:
     grad_clip: float = 1.0
     # evaluate every N steps (0: only before and after training)
     eval_every: int = 250
-    # eval prompts (0: the task's whole eval split)
-    eval_size: int = 256
+    # eval prompts (0: the task's whole eval split); more than the split holds is refused
+    eval_size: int = 0
     # sequences per eval generation batch
     eval_batch_size: int = 128
     # checkpoint every N steps (0: only at the end)

@@ -414,6 +414,9 @@ class WandbSink(Sink):
     def log(self, metrics, step):
         self._run.log({**_clean(metrics), "step": step})
 
+    def config(self, values):
+        self._run.config.update(dict(values), allow_val_change=True)
+
     def summary(self, values):
         for k, v in _clean(values).items():  # a tracked key keeps its best/last values: its final one
             self._run.summary[f"final/{k}" if k in self._tracked else k] = v  # goes to final/<key>

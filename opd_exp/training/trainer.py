@@ -39,7 +39,7 @@ import torch
 
 from opd_exp.config.schema import LoggerName, Schedule, TrainConfig
 from opd_exp.divergences import get_divergence
-from opd_exp.runtime import checkpoint, fingerprint
+from opd_exp.runtime import checkpoint, files, fingerprint
 from opd_exp.runtime import distributed as dist_util
 from opd_exp.runtime import precision as prec
 from opd_exp.runtime.errors import ConfigError
@@ -70,6 +70,26 @@ def build_student_engine(cfg: TrainConfig, student, tokenizer, vocab_size: int, 
 
         return VllmRollout.from_config(cfg, student, tokenizer, vocab_size, warn=warn)
     return HfRollout(student, tokenizer, cfg.rollout, vocab_size, source="student", autocast=autocast, synced_gpus=synced_gpus)
+
+
+def pair_record(pair) -> dict[str, Any]:
+    """The prepared pair this run trained: per model its cache hash and the accuracies
+    measured when it was built (a prepared pair differs between machines: same recipe,
+    teacher 0.940 on one, 0.975 on another). Folders that are not prepared entries: their path."""
+    out: dict[str, Any] = {}
+    for role in ("teacher", "student"):
+        path = getattr(pair, f"{role}_path", None)
+        if not path:
+            continue
+        manifest = Path(path) / files.CACHE_MANIFEST
+        try:
+            m = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            out[role] = {"path": str(path)}
+            continue
+        info = m.get("info", {})
+        out[role] = {"hash": m.get("hash"), **{k: info[k] for k in ("accuracy", "format_rate", "n_check") if k in info}}
+    return out
 
 
 class Trainer:
@@ -117,6 +137,11 @@ class Trainer:
             self.teacher, self.vocab_size, temperature=cfg.divergence.temperature, device=teacher_device, autocast=self.autocast
         )
         self.objective = Objective(cfg)
+        if tc.eval_size > len(evals):  # never clipped in silence: the eval set would not be what was asked
+            raise ConfigError(
+                f"trainer.eval_size={tc.eval_size} is more than the {len(evals)} eval problems of task {cfg.task.name!r}; "
+                f"allowed: 0 (the whole split) up to {len(evals)}, or a larger task.n_eval"
+            )
         eval_problems = evals[: tc.eval_size] if tc.eval_size else evals
         self.evaluator = Evaluator(
             task,
@@ -139,6 +164,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.state = TrainState(cursor=DataCursor(len(self.train_problems), cfg.seed), guard=StepGuard(tc.max_bad_steps))
         self._extra_sinks = sinks
+        self.pair_record = pair_record(pair)
         self.fingerprint = fingerprint.config_fingerprint(cfg)
         self._session: dict[str, Any] = {"session": "start", "from_step": 0}
 
@@ -467,6 +493,8 @@ class Trainer:
 
             fingerprint.append_history(self.run_dir, {**self._session, "overrides": hydra_job().overrides})
         sink = self._sinks(resume_step=self.step if resumed else None)
+        if self.pair_record:
+            sink.config({"pair": self.pair_record})
         self._progress = progress = Progress(tc.max_steps, initial=self.step, enabled=tc.progress)
         t_start = time.perf_counter() - state.elapsed_s
         try:
@@ -520,6 +548,8 @@ class Trainer:
                 out[key] = after[key]
         if self.state.teacher_accuracy is not None:
             out["eval/teacher_accuracy"] = self.state.teacher_accuracy
+        if self.pair_record:
+            out["pair"] = self.pair_record
         return out
 
     def summary_line(self, s: dict[str, Any]) -> str:

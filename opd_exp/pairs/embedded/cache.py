@@ -24,7 +24,7 @@ from opd_exp.runtime import files
 
 log = logging.getLogger("opd_exp.pairs")
 
-MANIFEST = "opd-exp-manifest.json"  # written last: its presence marks a complete entry
+MANIFEST = files.CACHE_MANIFEST  # written last: its presence marks a complete entry
 
 
 def cache_root() -> Path:

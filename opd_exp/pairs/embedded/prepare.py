@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import json
+import logging
 import os
 import sys
 import time
@@ -216,7 +216,10 @@ def prepare_embedded(pair_cfg: Any = None, task_cfg: Any = None, *, progress: bo
                 keys[role],
                 lambda tmp, role=role: _build_model(tmp, role, pair, task, tok_dir, progress),
             )
-    info = {role: {**cache.read_manifest(folders[role]).get("info", {}), "hash": cache.read_manifest(folders[role]).get("hash")} for role in folders}
+    info = {
+        role: {**cache.read_manifest(folders[role]).get("info", {}), "hash": cache.read_manifest(folders[role]).get("hash")}
+        for role in folders
+    }
     return PreparedPair(student=folders["student"], teacher=folders["teacher"], tokenizer=tok_dir, info=info)
 
 
@@ -248,7 +251,11 @@ def build_announcement(role: str, recipe: EmbeddedModelConfig, key: dict) -> str
     else:
         why = "not in the cache yet (first run on this machine)"
     default = _teacher_defaults()
-    scale = (recipe.hidden_size / default.hidden_size) ** 2 * (recipe.num_layers / default.num_layers) * (recipe.batch_size / default.batch_size)
+    scale = (
+        (recipe.hidden_size / default.hidden_size) ** 2
+        * (recipe.num_layers / default.num_layers)
+        * (recipe.batch_size / default.batch_size)
+    )
     minutes = recipe.sft_steps * SECONDS_PER_STEP * scale / 60
     took = f"about {minutes:.0f} min" if minutes >= 1 else "under a minute"
     return f"opd-exp: building the embedded {role} once ({recipe.sft_steps} SFT steps, {took} on a laptop CPU): {why}; cached in {path}"
