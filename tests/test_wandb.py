@@ -253,6 +253,7 @@ def test_offline_run_holds_the_metrics_config_and_resumes(local_pair, tmp_path):
     cmd[cmd.index("trainer.max_steps=2")] = "trainer.max_steps=3"
     refused = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "(trainer.max_steps: 2 -> 3)" in refused.stderr  # other settings: only on purpose
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1  # refused before W&B started
     cmd.append("trainer.extend=true")
     again = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -69,6 +69,12 @@ def _app(cfg: DictConfig) -> float:
         typed = to_train_config(cfg)
     except ConfigError as ex:  # exit here: Hydra would add its own "Error executing job" line
         _fail(ex)
+    try:  # a resume with other settings: refused before W&B or any model starts
+        from opd_exp.runtime.fingerprint import check_run_folder
+
+        check_run_folder(run_dir, typed)
+    except ConfigError as ex:
+        _fail(ex)
     sinks = []
     # start W&B before the models load: a failure stops at once; under torchrun, rank 0 only
     if typed.logger.name.value == "wandb" and os.environ.get("RANK", "0") == "0":

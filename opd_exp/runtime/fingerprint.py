@@ -90,3 +90,36 @@ def read_history(run_dir: Path) -> list[dict[str, Any]]:
 
     path = Path(run_dir) / HISTORY
     return list(yaml.safe_load(path.read_text()) or []) if path.is_file() else []
+
+
+def refusal(run_dir: Path, stored: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """The one-line refusal of a resume with other settings, or None when they agree."""
+    diff = differences(stored, current)
+    if not diff:
+        return None
+    return (
+        f"hydra.run.dir: {run_dir} holds a run made with other settings ({describe(diff)}); "
+        f"allowed: the same settings to resume it, trainer.extend=true to continue it with these "
+        f"(recorded in {HISTORY}), or a new hydra.run.dir"
+    )
+
+
+def check_run_folder(run_dir: Path, cfg: Any) -> None:
+    """Before anything starts (W&B, models): refuse a resume with other settings unless
+    ``trainer.extend`` (reads the newest checkpoint's loop state only; the trainer checks the
+    checkpoint it actually loads again)."""
+    from opd_exp.runtime import checkpoint
+    from opd_exp.runtime.errors import ConfigError
+
+    if cfg.trainer.extend:
+        return
+    path = checkpoint.latest(run_dir)
+    if path is None:
+        return
+    try:
+        stored = json.loads((path / "state.json").read_text()).get("config")
+    except (OSError, ValueError):
+        return  # damaged: restore sets it aside and says so
+    line = refusal(Path(run_dir), stored, config_fingerprint(cfg)) if isinstance(stored, dict) else None
+    if line:
+        raise ConfigError(line)

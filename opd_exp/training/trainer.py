@@ -437,11 +437,7 @@ class Trainer:
             return
         tc = self.cfg.trainer
         if not tc.extend:
-            raise ConfigError(
-                f"hydra.run.dir: {self.run_dir} holds a run made with other settings ({fingerprint.describe(diff)}); "
-                f"allowed: the same settings to resume it, trainer.extend=true to continue it with these "
-                f"(recorded in {fingerprint.HISTORY}), or a new hydra.run.dir"
-            )
+            raise ConfigError(fingerprint.refusal(self.run_dir, stored, self.fingerprint))
         group = self.optimizer.param_groups[0]
         base = self.scheduler.base_lrs[0]
         factor = group["lr"] / base if base else 0.0
