@@ -103,7 +103,7 @@ def test_notebook_estimator_check_reproduces_the_seed_table(tmp_path, monkeypatc
     assert "+0.300  -0.593 .. -0.151  +1.000" in text
     assert "+0.500  -0.787 .. -0.423  +1.000" in text
     assert "+0.900  -0.937 .. -0.758  +1.000" in text
-    assert "seed 001 beta=1 (t - s) vs rkl" in text and "skl alpha=0.1" in text and "top-4 + sampled tail" in text
+    assert "Trinity-RFT beta=1 (t - s) vs rkl" in text and "skl alpha=0.1" in text and "top-4 + sampled tail" in text
     assert "rel_std" in text
     assert images(nb) == 1
     assert seconds < 30
