@@ -230,6 +230,7 @@ def test_offline_run_holds_the_metrics_config_and_resumes(local_pair, tmp_path):
     assert run["state"] == "finished" and run["exit_code"] == 0
     assert run["config"]["divergence"] == {"name": "jsd", "beta": 0.9, "temperature": 1.0}  # no alpha, no clip
     assert run["config"]["variant"] == "divergence=jsd,divergence.beta=0.9"
+    assert run["config"]["pair"] == {"teacher": {"path": str(local_pair / "teacher")}, "student": {"path": str(local_pair / "student")}}
     assert set(run["tags"]) == {"divergence=jsd", "divergence.beta=0.9"}  # not trainer.*, task.*, model_pair.*
     summary, last_train = run["summary"], rows[-1]
     for key in ("jsd/mean", "kl/reverse", "kl/forward", "loss"):

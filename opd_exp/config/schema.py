@@ -139,6 +139,7 @@ class DivergenceConfig:
     """Which divergence D(S, T) the student lowers, per response position."""
 
     # rkl KL(S||T) | fkl KL(T||S) | jsd | skl KL(T||aT+(1-a)S) | srkl KL(S||aS+(1-a)T) | tvd
+    # | any registered with register_divergence (docs/extending.md)
     name: DivergenceName = DivergenceName.fkl
     # jsd mixing weight, TRL/GKD convention: M = beta*T + (1-beta)*S; beta=0 is fkl, beta=1 is rkl.
     # (Trinity-RFT's lambda_coef documents the reverse endpoints.)
