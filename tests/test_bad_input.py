@@ -36,7 +36,12 @@ class Ctx:
     def gsm8k(self, text: bytes | str, name: str = "data.jsonl") -> list[str]:
         path = self.tmp / name
         path.write_bytes(text.encode() if isinstance(text, str) else text)
-        return pair_args(self.pair) + BASE + QUICK + ["task=gsm8k", f"task.path={path}", "task.n_eval=2", "rollout.max_prompt_tokens=48"]
+        return (
+            pair_args(self.pair)
+            + BASE
+            + QUICK
+            + ["task=gsm8k", f"task.path={path}", "task.n_eval=2", "trainer.eval_size=2", "rollout.max_prompt_tokens=48"]
+        )
 
 
 CASES: dict[str, tuple[Callable[[Ctx], list[str]], int, str]] = {}
@@ -91,7 +96,9 @@ case("data/answer_not_a_number", 2, "has a final answer that is not a number ('a
 case("data/answer_without_marker", 2, "row 0 is not a GSM8K row")(lambda ctx: ctx.gsm8k('{"question": "q?", "answer": "42"}\n'))
 case("data/row_not_an_object", 2, "row 0 is a JSON list, not an object")(lambda ctx: ctx.gsm8k("[1, 2]\n"))
 case("data/missing_file", 2, "does not exist")(
-    lambda ctx: ctx.gsm8k("")[:-3] + ["task.path=/no/such/gsm8k.jsonl", "task.n_eval=2", "rollout.max_prompt_tokens=48"]
+    lambda ctx: (
+        ctx.gsm8k("")[:-4] + ["task.path=/no/such/gsm8k.jsonl", "task.n_eval=2", "trainer.eval_size=2", "rollout.max_prompt_tokens=48"]
+    )
 )
 
 
@@ -240,7 +247,8 @@ def _failed_start(ctx):
         assert after == before  # metrics.jsonl, summary.json and every checkpoint byte-identical
 
     ctx.checks.append(unchanged)
-    return pair_args(ctx.pair, teacher="/no/such/teacher") + BASE + ["trainer.max_steps=4"]
+    # trainer.extend: past the settings check (a new teacher path), so the start fails on the missing teacher
+    return pair_args(ctx.pair, teacher="/no/such/teacher") + BASE + ["trainer.max_steps=4", "trainer.extend=true"]
 
 
 @case("run_dir/under_a_file", 2, "cannot write the run folder or read an input")

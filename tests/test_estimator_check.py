@@ -63,7 +63,7 @@ def test_cosine_table_ours_follow_the_gradient_and_the_others_do_not(regime):
         assert min(rows["fkl: -min(r, 2) (clip=2)"]["cosines"]) >= 0.9999
     else:
         for b in (0.3, 0.5, 0.9):
-            assert max(rows[f"Trinity-RFT pre-fix, beta={b}"]["cosines"]) < 0
+            assert max(rows[f"Trinity-RFT as shipped, beta={b}"]["cosines"]) < 0
         assert min(rows["fkl: -min(r, 2) (clip=2)"]["cosines"]) < 0.95  # clipping biases far from T
         assert min(rows["top-2 renormalised (biased), rkl"]["cosines"]) < 0
 

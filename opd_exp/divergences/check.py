@@ -175,7 +175,7 @@ ESTIMATORS: tuple[Estimator, ...] = (
         for n, p in (("rkl", {}), ("jsd", {"beta": 0.5}))
         for k in (2, 4)
     ),
-    *(Estimator(f"Trinity-RFT pre-fix, beta={b}", ("jsd", {"beta": b}), "shipped_jsd", (b,), ours=False) for b in (0.3, 0.5, 0.9)),
+    *(Estimator(f"Trinity-RFT as shipped, beta={b}", ("jsd", {"beta": b}), "shipped_jsd", (b,), ours=False) for b in (0.3, 0.5, 0.9)),
     Estimator("Trinity-RFT beta=1 (t - s) vs rkl", ("rkl", {}), "shipped_beta1", ours=False),
     Estimator("Trinity-RFT beta=1 (t - s) vs fkl", ("fkl", {}), "shipped_beta1", ours=False),
 )
@@ -231,7 +231,7 @@ VALUE_ESTIMATORS: tuple[ValueEstimator, ...] = (
     ValueEstimator("rkl: r - 1 - log r", ("rkl", {}), "rkl_k3"),
     ValueEstimator("fkl: r (t - s)", ("fkl", {})),
     *(ValueEstimator(f"jsd beta={b}", ("jsd", {"beta": b})) for b in (0.1, 0.5, 0.9)),
-    ValueEstimator("jsd beta=0.5, Trinity-RFT pre-fix (biased)", ("jsd", {"beta": 0.5}), "shipped_jsd"),
+    ValueEstimator("jsd beta=0.5, Trinity-RFT as shipped (biased)", ("jsd", {"beta": 0.5}), "shipped_jsd"),
     ValueEstimator("jsd beta=0.5, top-4 + tail", ("jsd", {"beta": 0.5}), "topk", 4),
     ValueEstimator("skl alpha=0.1", ("skl", {"alpha": 0.1})),
     ValueEstimator("srkl alpha=0.1", ("srkl", {"alpha": 0.1})),
