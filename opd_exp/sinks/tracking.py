@@ -388,6 +388,11 @@ class WandbSink(Sink):
         (run_dir / "wandb_id.txt").write_text(self._run.id)
         define_metrics(self._run)
         self._tracked = set(SUMMARIES)
+        div = config.get("divergence")
+        own = f"eval/{div.get('name')}" if isinstance(div, Mapping) and div.get("name") else None
+        if own and own not in self._tracked:  # eval/<the trained divergence>: best and last, like the fixed ones
+            self._run.define_metric(own, step_metric=STEP_METRIC, summary="min,last")
+            self._tracked.add(own)
 
     @classmethod
     def from_config(cls, cfg, run_dir: Path, **kw) -> WandbSink:
