@@ -349,3 +349,25 @@ def test_online_start_failure_for_real(tmp_path, monkeypatch):
     assert len(warned) == 1
     (r,) = inspect(tmp_path / "b")
     assert r["run_id"] == "fallback0001" and r["summary"]["jsd/mean"] == 0.5
+
+
+def test_the_trained_divergence_is_summarised_like_the_fixed_eval_metrics(tmp_path, monkeypatch):
+    class FakeRun:
+        id = "fake00000001"
+
+        def __init__(self):
+            self.defined, self.summary = {}, {}
+
+        def define_metric(self, key, step_metric=None, summary=None):
+            self.defined[key] = summary
+
+    made = {}
+    monkeypatch.setattr(
+        tracking, "start_run", lambda run_dir, **kw: made.setdefault("run", FakeRun()) if made.update(kw=kw) is None else None
+    )
+    sink = tracking.WandbSink(tmp_path, config={"divergence": {"name": "tvd", "beta": 0.5, "alpha": 0.1, "temperature": 1.0}}, overrides=[])
+    run = made["run"]
+    assert run.defined["eval/tvd"] == "min,last" and run.defined["eval/kl_reverse"] == "min,last"
+    assert made["kw"]["config"]["divergence"] == {"name": "tvd", "temperature": 1.0} and made["kw"]["config"]["variant"] == "default"
+    sink.summary({"eval/tvd": 0.25, "steps": 3})
+    assert run.summary == {"final/eval/tvd": 0.25, "steps": 3}
