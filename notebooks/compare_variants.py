@@ -44,6 +44,7 @@ from opd_exp.analysis import (
     load_runs,
     load_wandb,
     plot_curves,
+    short_label,
     summary_table,
 )
 
@@ -74,33 +75,40 @@ if not runs:
 groups = group_by_variant(runs)
 print(f"{source}: {len(runs)} jobs, {len(groups)} variants")
 for variant, rs in groups.items():
-    print(f"  {variant}: seeds {[r.seed for r in rs]}, {max(len(r.steps('loss')) for r in rs)} logged training steps")
+    print(f"  {short_label(variant)}: seeds {[r.seed for r in rs]}, {max(len(r.steps('loss')) for r in rs)} logged training steps")
 
 # %% [markdown]
 # ## Training curves
-# `jsd/mean` is an unbiased estimate of JSD_beta logged for every divergence, so all variants
-# share this axis; `kl/reverse` is the per-token reverse KL on the student's own samples.
+# The train JSD is an unbiased estimate of JSD_beta logged for every divergence, so all
+# variants share this axis; the train KL(S‖T) is the per-token reverse KL on the student's
+# own samples. Both are EMA-smoothed (the raw mean drawn faintly behind); the dashed line is
+# the teacher's eval accuracy.
 
 # %%
-fig, axes = plt.subplots(1, 3, figsize=(16, 4), layout="constrained")
-plot_curves(runs, ["jsd/mean", "kl/reverse", "eval/accuracy"], axes=axes, band=BAND)
+fig, axes = plt.subplots(1, 3, figsize=(16, 4.4), layout="constrained")
+plot_curves(runs, ["jsd/mean", "kl/reverse", "eval/accuracy"], axes=axes, band=BAND, title=f"{source}: training")
 plt.show()
 
 # %% [markdown]
 # ## Evaluation divergences
-# Exact over the vocabulary at every position of the student's greedy eval responses.
+# Exact over the vocabulary at every position of the student's greedy eval responses; the
+# last panel is each variant's own divergence (the one it trains on, at its parameters).
 
 # %%
-fig, axes = plt.subplots(1, 3, figsize=(16, 4), layout="constrained")
-plot_curves(runs, ["eval/jsd", "eval/kl_reverse", "eval/kl_forward"], axes=axes, band=BAND)
+fig, axes = plt.subplots(1, 4, figsize=(20, 4.4), layout="constrained")
+plot_curves(runs, ["eval/jsd", "eval/kl_reverse", "eval/kl_forward", "own"], axes=axes, band=BAND, title=f"{source}: evaluation")
 plt.show()
 
 # %% [markdown]
 # ## Final comparison
-# Final value of each metric per job, then mean ± sample std over the seeds of a variant.
+# Per variant: each metric before training, after, and the change, as mean ± sample std over
+# its seeds; then its own divergence the same way.
 
 # %%
-display(Markdown(format_table(summary_table(runs), fmt="markdown")))
+rows = summary_table(runs)
+for row in rows:
+    row["variant"] = short_label(row["variant"])
+display(Markdown(format_table(rows, fmt="markdown")))
 teacher = [r.final("eval/teacher_accuracy") for r in runs if r.final("eval/teacher_accuracy") is not None]
 if teacher:
     print(f"teacher eval accuracy: {teacher[0]:.4g}")

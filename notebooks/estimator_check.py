@@ -24,7 +24,7 @@
 #
 # The update is minus that. Below: its cosine with $-\nabla_z D$ for each estimator, on random
 # categorical pairs (standard-normal logits over `VOCAB` tokens). *far*: teacher logits drawn
-# independently (seed 001's setting); *near*: teacher = student + 0.2 * noise.
+# independently (the setting of the Trinity-RFT fix); *near*: teacher = student + 0.2 * noise.
 # The computations live in `opd_exp/divergences/check.py` and are pinned by
 # `tests/test_estimator_check.py`.
 
@@ -47,10 +47,10 @@ SEEDS = (0, 1, 2)
 VOCAB = 8
 
 # %% [markdown]
-# ## Seed 001's table
+# ## The cosine table of the Trinity-RFT fix
 # *before*: the cost shipped before the fix, the JSD value
 # β·(t − log m) + (1 − β)·(s − log m) used as the cost; *after*: this project's
-# `token_cost` = (1 − β)·(s − log m). Ranges are over the seeds. The seed reports
+# `token_cost` = (1 − β)·(s − log m). Ranges are over the random draws. The fix's report gives
 # −0.22…−0.58, −0.39…−0.79, −0.69…−0.96 (β = 0.3, 0.5, 0.9) on its own draws.
 
 # %%
@@ -68,7 +68,7 @@ for seed in SEEDS:
     zs, zt = random_pair(seed, VOCAB)
     shipped = [cost_cosine(shipped_jsd_cost(b), get_divergence("jsd", beta=b), zs, zt) for b in betas]
     ours = [cost_cosine(get_divergence("jsd", beta=b).token_cost, get_divergence("jsd", beta=b), zs, zt) for b in betas]
-    ax.plot(betas, shipped, color="C3", alpha=0.8, label="shipped before seed 001's fix" if seed == SEEDS[0] else None)
+    ax.plot(betas, shipped, color="C3", alpha=0.8, label="Trinity-RFT before the fix" if seed == SEEDS[0] else None)
     ax.plot(betas, ours, color="C0", alpha=0.8, label="ours: (1-β)(s - log m)" if seed == SEEDS[0] else None)
 ax.axhline(0, color="k", lw=0.5)
 ax.set_xlabel("β")
@@ -80,8 +80,8 @@ plt.show()
 # ## Every estimator
 # `ours` marks the estimators this project ships as unbiased (cosine 1). The others: forward
 # KL with a clipped importance weight (biased once the clip bites), top-k renormalised over
-# the teacher's top-k (the ms-swift / verl form, offered only as `topk_renorm`), and seed
-# 001's two shipped costs, including the β = 1 branch (cost t − s), which ascends reverse KL
+# the teacher's top-k (the ms-swift / verl form, offered only as `topk_renorm`), and the
+# two costs Trinity-RFT shipped before the fix, including the β = 1 branch (cost t − s), which ascends reverse KL
 # exactly and is measured against both KLs.
 
 # %%

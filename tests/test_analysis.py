@@ -2,6 +2,7 @@
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 
@@ -9,6 +10,7 @@ from helpers.synthetic_runs import SEEDS, STEPS, write_multirun, write_run
 from opd_exp.analysis import (
     AnalysisError,
     curve,
+    ema,
     find_failed_jobs,
     format_table,
     group_by_variant,
@@ -17,8 +19,10 @@ from opd_exp.analysis import (
     load_wandb,
     mean_std,
     parse_overrides,
+    parse_source,
     plot_curves,
     read_metrics,
+    short_label,
     summary_table,
     variant_label,
 )
@@ -120,16 +124,45 @@ def test_mean_std_edge_cases():
 
 def test_format_table_text_markdown_csv(tmp_path):
     rows = summary_table(load_runs(write_multirun(tmp_path)))
-    text = format_table(rows)
+    # rkl, seeds 0..2: accuracy 0.1 before, 0.50/0.51/0.52 after
+    assert rows[0]["eval/accuracy before"][:2] == (pytest.approx(0.1), 0.0)
+    assert rows[0]["eval/accuracy"][0] == pytest.approx(0.51) and rows[0]["eval/accuracy delta"][0] == pytest.approx(0.41)
+    assert rows[0]["divergence"] == "rkl" and rows[0]["own"][0] == pytest.approx(0.11)  # its eval/kl_reverse
+    text = format_table(rows, before=False)
     lines = text.splitlines()
-    assert lines[0].split() == ["variant", "seeds", "eval/accuracy", "eval/jsd", "eval/kl_reverse", "steps/s"]
-    assert lines[2].split() == [RKL, "0,1,2", "0.51", "±", "0.01", "0.04", "±", "0.02", "0.11", "±", "0.01", "3.33", "±", "1.2"]
+    assert [c.strip() for c in lines[0].split("  ") if c.strip()] == [
+        "variant", "seeds", "divergence", "eval accuracy", "eval JSD", "eval KL(S‖T)", "eval: own divergence", "steps/s"
+    ]  # fmt: skip
+    assert lines[2].split() == [
+        RKL,
+        "0,1,2",
+        "rkl",
+        "0.51",
+        "±",
+        "0.01",
+        "0.04",
+        "±",
+        "0.02",
+        "0.11",
+        "±",
+        "0.01",
+        "0.11",
+        "±",
+        "0.01",
+        "3.33",
+        "±",
+        "1.2",
+    ]
     md = format_table(rows, fmt="markdown").splitlines()
-    assert md[0] == "| variant | seeds | eval/accuracy | eval/jsd | eval/kl_reverse | steps/s |"
-    assert md[3] == f"| {JSD} | 0,1,2 | 0.61 ± 0.01 | 0.02 ± 0.01 | 0.11 ± 0.01 | 3.33 ± 1.2 |"
+    assert md[0].startswith(
+        "| variant | seeds | divergence | eval accuracy before | eval accuracy after | Δ eval accuracy | eval JSD before |"
+    )
+    assert md[3].startswith(f"| {JSD} | 0,1,2 | jsd | 0.1 ± 0 | 0.61 ± 0.01 | +0.51 ± 0.01 |")
     csv = format_table(rows, fmt="csv").splitlines()
-    assert csv[0].startswith("variant,seeds,n,eval/accuracy_mean,eval/accuracy_std")
-    assert csv[1].startswith(f"{RKL},0 1 2,3,0.51,0.01,")
+    assert csv[0].startswith(
+        "variant,seeds,n,divergence,eval/accuracy before_mean,eval/accuracy before_std,eval/accuracy_mean,eval/accuracy_std,"
+    )
+    assert csv[1].startswith(f"{RKL},0 1 2,3,rkl,0.1,0,0.51,0.01,0.41,")
 
 
 def test_latest_multirun(tmp_path, monkeypatch):
@@ -144,16 +177,58 @@ def test_latest_multirun(tmp_path, monkeypatch):
 def test_plot_curves_draws_a_line_and_band_per_variant(tmp_path):
     pytest.importorskip("matplotlib")
     runs = load_runs(write_multirun(tmp_path))
-    fig = plot_curves(runs)
-    axes = fig.get_axes()
-    assert [ax.get_title() for ax in axes] == ["jsd/mean", "kl/reverse", "eval/accuracy"]
-    assert [len(ax.lines) for ax in axes] == [2, 2, 2]
-    assert [len(ax.collections) for ax in axes] == [2, 2, 2]  # one seed band per variant
+    fig = plot_curves(runs, smooth=False, title="t")
+    axes = [ax for ax in fig.get_axes() if ax.get_visible()]
+    assert [ax.get_title() for ax in axes] == [
+        "train JSD",
+        "train KL(S‖T)",
+        "eval accuracy",
+        "eval JSD",
+        "eval KL(S‖T)",
+        "eval: own divergence",
+    ]
+    assert [len(ax.lines) for ax in axes] == [2, 2, 3, 2, 2, 2]  # eval accuracy: + the teacher line
+    assert [len(ax.collections) for ax in axes] == [2] * 6  # one seed band per variant
     line = axes[2].lines[1]  # jsd variant, eval accuracy: steps 0, 2, 4
     assert list(line.get_xdata()) == [0, 2, 4]
     assert line.get_ydata()[-1] == pytest.approx(0.61)
+    teacher = axes[2].lines[2]
+    assert list(teacher.get_ydata()) == [0.9, 0.9] and teacher.get_linestyle() == "--"
+    own = axes[5].lines[1].get_ydata()  # jsd's own divergence is its eval JSD
+    assert list(own) == pytest.approx(list(axes[3].lines[1].get_ydata()))
+    legend = fig.legends[0]
+    assert [t.get_text() for t in legend.get_texts()] == ["rkl (3 seeds)", "jsd, β=0.5 (3 seeds)", "teacher (0.90)"]
+    assert fig.get_suptitle() == "t"
     fig.savefig(tmp_path / "c.png")
     assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+def test_plot_smooths_training_metrics_only_and_takes_log_y(tmp_path):
+    pytest.importorskip("matplotlib")
+    runs = load_runs(write_multirun(tmp_path, steps=100))
+    fig = plot_curves(runs, ["jsd/mean", "eval/accuracy"], logy=["jsd/mean"])
+    train, ev = fig.get_axes()[:2]
+    assert train.get_title() == "train JSD (EMA, span 4 steps)" and ev.get_title() == "eval accuracy"
+    assert len(train.lines) == 4  # raw (faint) + smoothed, per variant
+    raw, smoothed = train.lines[0].get_ydata(), train.lines[1].get_ydata()
+    assert list(smoothed) == pytest.approx(ema(list(raw), 4.0))  # span: 100 points / 25
+    assert train.get_yscale() == "log" and ev.get_yscale() == "linear"
+
+
+def test_ema_is_bias_corrected():
+    assert ema([1.0, 1.0, 1.0], 3) == pytest.approx([1.0, 1.0, 1.0])
+    assert ema([0.0, 1.0], 3) == pytest.approx([0.0, 0.5 / 0.75])  # weight 0.5
+    assert ema([3.0, 1.0], 1) == [3.0, 1.0]
+
+
+def test_short_labels_and_sources(tmp_path):
+    assert short_label("divergence=jsd,divergence.beta=0.5") == "jsd, β=0.5"
+    assert short_label("variant=jsd_0.5") == "jsd_0.5"
+    assert short_label("base: trainer.lr=1e-3,rollout.on_policy_fraction=0.5") == "base: lr=1e-3, on-policy=0.5"
+    hydra_named = tmp_path / "div=rkl"
+    hydra_named.mkdir()
+    assert parse_source(str(hydra_named)) == (None, hydra_named)  # an existing path holding '='
+    assert parse_source("base=outputs/x") == ("base", Path("outputs/x"))
 
 
 def test_load_wandb_reads_tags_config_and_history():

@@ -17,6 +17,8 @@ import torch
 import opd_exp.training.rollout as rollout_mod
 import opd_exp.training.scoring as scoring_mod
 from helpers.reliability import BASE, one_error_line, pair_args, read_metrics, run_in_process
+from opd_exp.config.world import TASKS
+from opd_exp.divergences import DIVERGENCES
 from opd_exp.runtime import checkpoint
 
 MINI = Path(__file__).resolve().parents[1] / "opd_exp" / "data" / "gsm8k_mini.jsonl"
@@ -34,7 +36,12 @@ class Ctx:
     def gsm8k(self, text: bytes | str, name: str = "data.jsonl") -> list[str]:
         path = self.tmp / name
         path.write_bytes(text.encode() if isinstance(text, str) else text)
-        return pair_args(self.pair) + BASE + QUICK + ["task=gsm8k", f"task.path={path}", "task.n_eval=2", "rollout.max_prompt_tokens=48"]
+        return (
+            pair_args(self.pair)
+            + BASE
+            + QUICK
+            + ["task=gsm8k", f"task.path={path}", "task.n_eval=2", "trainer.eval_size=2", "rollout.max_prompt_tokens=48"]
+        )
 
 
 CASES: dict[str, tuple[Callable[[Ctx], list[str]], int, str]] = {}
@@ -64,7 +71,7 @@ cfg("config/max_bad_steps_0", ["trainer.max_bad_steps=0"], "trainer.max_bad_step
 cfg("config/device_unknown", ["trainer.device=tpu"], "trainer.device='tpu' is not allowed; allowed: auto, cpu, cuda, cuda:N, mps")
 cfg("config/unknown_key_plus", ["+foo=1"], "foo: unknown key; allowed:")
 cfg("config/unknown_key_in_group", ["trainer.nope=1"], "trainer.nope")
-cfg("config/unknown_group_option", ["divergence=nope"], "divergence=nope: no such option; allowed: fkl, jsd, rkl, skl, srkl, tvd")
+cfg("config/unknown_group_option", ["divergence=nope"], "divergence=nope: no such option; allowed: " + ", ".join(sorted(DIVERGENCES)))
 cfg("config/wrong_type", ["trainer.lr=abc"], "trainer.lr")
 cfg(
     "config/direct_with_sampled",
@@ -72,7 +79,7 @@ cfg(
     "loss.name='direct' is not allowed; allowed: ppo or reinforce with estimator=sampled",
 )
 cfg("config/ppo_with_full", ["loss=ppo", "estimator=full"], "estimator.name='full' is not allowed; allowed: sampled with loss=ppo")
-cfg("config/unknown_task", ["task.name=mmlu"], "task.name: got 'mmlu'; allowed: arithmetic | gsm8k")
+cfg("config/unknown_task", ["task.name=mmlu"], "task.name: got 'mmlu'; allowed: " + " | ".join(TASKS))
 
 
 # -- data ---------------------------------------------------------------------------------
@@ -89,7 +96,9 @@ case("data/answer_not_a_number", 2, "has a final answer that is not a number ('a
 case("data/answer_without_marker", 2, "row 0 is not a GSM8K row")(lambda ctx: ctx.gsm8k('{"question": "q?", "answer": "42"}\n'))
 case("data/row_not_an_object", 2, "row 0 is a JSON list, not an object")(lambda ctx: ctx.gsm8k("[1, 2]\n"))
 case("data/missing_file", 2, "does not exist")(
-    lambda ctx: ctx.gsm8k("")[:-3] + ["task.path=/no/such/gsm8k.jsonl", "task.n_eval=2", "rollout.max_prompt_tokens=48"]
+    lambda ctx: (
+        ctx.gsm8k("")[:-4] + ["task.path=/no/such/gsm8k.jsonl", "task.n_eval=2", "trainer.eval_size=2", "rollout.max_prompt_tokens=48"]
+    )
 )
 
 
@@ -238,7 +247,8 @@ def _failed_start(ctx):
         assert after == before  # metrics.jsonl, summary.json and every checkpoint byte-identical
 
     ctx.checks.append(unchanged)
-    return pair_args(ctx.pair, teacher="/no/such/teacher") + BASE + ["trainer.max_steps=4"]
+    # trainer.extend: past the settings check (a new teacher path), so the start fails on the missing teacher
+    return pair_args(ctx.pair, teacher="/no/such/teacher") + BASE + ["trainer.max_steps=4", "trainer.extend=true"]
 
 
 @case("run_dir/under_a_file", 2, "cannot write the run folder or read an input")

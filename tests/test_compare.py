@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from helpers.synthetic_runs import write_multirun, write_run
+from helpers.synthetic_runs import metrics_rows, write_multirun, write_run
 from opd_exp.cli.compare import main
 
 RKL = "divergence=rkl"
@@ -20,26 +20,66 @@ def compare(capsys, *args):
     return ex.value.code, out.out, out.err
 
 
+def _cells(line):
+    return [c.strip() for c in line.split("  ") if c.strip()]
+
+
 def test_prints_the_comparison_table(tmp_path, capsys):
     folder = write_multirun(tmp_path)
     write_run(folder / "6", ["divergence=fkl", "seed=0", "trainer.max_steps=4"], None)  # a job that failed at start
     code, out, err = compare(capsys, folder)
     assert code == 0 and err == ""
     lines = out.splitlines()
-    assert lines[0] == f"{folder}: 6 jobs, 2 variants; final values, mean ± std over seeds"
-    assert lines[1].split() == ["variant", "seeds", "eval/accuracy", "eval/jsd", "eval/kl_reverse", "steps/s"]
-    assert lines[3].split() == [RKL, "0,1,2", "0.51", "±", "0.01", "0.04", "±", "0.02", "0.11", "±", "0.01", "3.33", "±", "1.2"]
-    assert lines[4].split() == [JSD, "0,1,2", "0.61", "±", "0.01", "0.02", "±", "0.01", "0.11", "±", "0.01", "3.33", "±", "1.2"]
+    assert lines[0] == f"{folder}: 6 jobs, 2 variants; before training -> final, and the change, mean ± std over seeds"
+    assert _cells(lines[1]) == [
+        "variant", "seeds", "divergence",
+        "eval accuracy before", "eval accuracy after", "Δ eval accuracy",
+        "eval JSD before", "eval JSD after", "Δ eval JSD",
+        "eval KL(S‖T) before", "eval KL(S‖T) after", "Δ eval KL(S‖T)",
+        "eval: own divergence before", "eval: own divergence after", "Δ eval: own divergence",
+        "steps/s",
+    ]  # fmt: skip
+    # accuracy 0.1 -> 0.50/0.51/0.52; the own divergence of rkl is its eval KL(S||T), of jsd its eval JSD
+    assert _cells(lines[3]) == [RKL, "0,1,2", "rkl", "0.1 ± 0", "0.51 ± 0.01", "+0.41 ± 0.01", "0.5 ± 0", "0.04 ± 0.02", "-0.46 ± 0.02",
+                                "1 ± 0", "0.11 ± 0.01", "-0.89 ± 0.01", "1 ± 0", "0.11 ± 0.01", "-0.89 ± 0.01", "3.33 ± 1.2"]  # fmt: skip
+    assert _cells(lines[4])[:3] == [JSD, "0,1,2", "jsd"] and _cells(lines[4])[-4:] == [
+        "0.5 ± 0",
+        "0.02 ± 0.01",
+        "-0.48 ± 0.01",
+        "3.33 ± 1.2",
+    ]
     assert lines[5] == "teacher eval accuracy: 0.9"
-    assert lines[6] == f"note: {folder / '6'}: job wrote no metrics.jsonl (failed or still starting); left out"
+    assert lines[6:] == ["jobs that wrote no metrics.jsonl (failed at start, or still starting), left out: 1", f"  {folder / '6'}"]
+
+
+def test_several_folders_single_runs_and_labels(tmp_path, capsys):
+    a = write_run(tmp_path / "outputs" / "a", ["divergence=rkl"], metrics_rows(0.5, 0.02, 0))
+    b = write_run(tmp_path / "outputs" / "b", ["divergence=tvd"], metrics_rows(0.7, 0.01, 0))
+    (b / "metrics.jsonl").write_text(
+        (b / "metrics.jsonl").read_text().replace('"eval/kl_forward": 1.2', '"eval/kl_forward": 1.2, "eval/tvd": 0.4')
+        .replace('"eval/kl_forward": 0.12}', '"eval/kl_forward": 0.12, "eval/tvd": 0.1}')
+    )  # fmt: skip
+    multi = write_multirun(tmp_path)
+    code, out, _ = compare(capsys, f"base={a}", f"new={b}", multi, "--final-only", "--metric", "eval/accuracy")
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == "3 folders (base, new, 12-00-00): 8 jobs, 4 variants; final values, mean ± std over seeds"
+    assert _cells(lines[1]) == ["variant", "seeds", "divergence", "eval accuracy", "eval: own divergence", "steps/s"]
+    assert _cells(lines[3]) == ["base", "0", "rkl", "0.5", "0.1", "2"]
+    assert _cells(lines[4]) == ["new", "0", "tvd", "0.7", "0.1", "2"]  # eval/tvd: its own divergence
+    assert _cells(lines[5])[:3] == [f"12-00-00: {RKL}", "0,1,2", "rkl"]
+    code, _, err = compare(capsys, f"x={a}", f"x={b}")
+    assert code == 2 and err == "opd-compare: error: two folders have the label ['x', 'x']; allowed: distinct name=path labels\n"
 
 
 def test_metric_option_and_markdown(tmp_path, capsys):
-    code, out, _ = compare(capsys, write_multirun(tmp_path), "--metric", "eval/kl_forward", "--metric", "jsd/mean", "--format", "markdown")
+    code, out, _ = compare(
+        capsys, write_multirun(tmp_path), "--metric", "eval/kl_forward", "--metric", "jsd/mean", "--format", "markdown", "--final-only"
+    )
     assert code == 0
     lines = out.splitlines()
-    assert lines[1] == "| variant | seeds | eval/kl_forward | jsd/mean | steps/s |"
-    assert lines[3] == f"| {RKL} | 0,1,2 | 0.12 ± 0 | 0.01 ± 0.01 | 3.33 ± 1.2 |"
+    assert lines[1] == "| variant | seeds | divergence | eval KL(T‖S) | train JSD | eval: own divergence | steps/s |"
+    assert lines[3] == f"| {RKL} | 0,1,2 | rkl | 0.12 ± 0 | 0.01 ± 0.01 | 0.11 ± 0.01 | 3.33 ± 1.2 |"
 
 
 def test_plot_writes_an_image(tmp_path, capsys):
@@ -102,6 +142,17 @@ def test_compare_on_a_real_tiny_multirun(tmp_path):
     ]
     done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    # the prepared pair is recorded: its cache hash and the accuracies measured when it was built
+    import json
+
+    summary = json.loads((sweep / "0" / "summary.json").read_text())
+    manifest = json.loads((next((tmp_path / "cache").glob("embedded-teacher-*")) / "opd-exp-manifest.json").read_text())
+    assert summary["pair"]["teacher"] == {
+        "hash": manifest["hash"], "accuracy": manifest["info"]["accuracy"], "format_rate": manifest["info"]["format_rate"], "n_check": 4
+    }  # fmt: skip
+    assert set(summary["pair"]["student"]) == {"hash", "accuracy", "format_rate", "n_check"}
+    assert "opd-exp: building the embedded teacher once" in done.stderr  # announced, once: the other jobs reuse it
+    assert done.stderr.count("opd-exp: building the embedded teacher once") == 1
     done = subprocess.run(
         [sys.executable, "-m", "opd_exp.cli.compare", str(sweep), "--plot", str(tmp_path / "c.png")],
         capture_output=True,
@@ -110,11 +161,13 @@ def test_compare_on_a_real_tiny_multirun(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0] == f"{sweep}: 4 jobs, 2 variants; final values, mean ± std over seeds"
-    rows = {ln.split()[0]: ln.split() for ln in lines[3:5]}
+    assert lines[0] == f"{sweep}: 4 jobs, 2 variants; before training -> final, and the change, mean ± std over seeds"
+    rows = {_cells(ln)[0]: _cells(ln) for ln in lines[3:5]}
     assert set(rows) == {"divergence=rkl", "divergence=jsd"}
     for cells in rows.values():
-        assert cells[1] == "0,1"
-        assert 0.0 <= float(cells[2]) <= 1.0
-        assert "n/a" not in cells
+        assert cells[1] == "0,1" and cells[2] in ("rkl", "jsd")
+        assert 0.0 <= float(cells[4].split()[0]) <= 1.0
+        assert not any("n/a" in c for c in cells)
+        # the own divergence (rkl: eval/kl_reverse = eval/rkl; jsd: eval/jsd) after training
+        assert cells[-3] == (cells[10] if cells[2] == "rkl" else cells[7])
     assert (tmp_path / "c.png").stat().st_size > 1000

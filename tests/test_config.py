@@ -13,6 +13,7 @@ from hydra.core.global_hydra import GlobalHydra
 
 from opd_exp.cli.train import to_train_config
 from opd_exp.config import TrainConfig, register_configs
+from opd_exp.divergences import DIVERGENCES
 from opd_exp.runtime.errors import ConfigError
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
@@ -103,7 +104,7 @@ def _cli(*args, tmp_path):
     "args,needle",
     [
         (["divergence=jsd", "divergence.beta=1.5"], "divergence.beta=1.5"),
-        (["divergence=nope"], "divergence=nope: no such option; allowed: fkl, jsd, rkl, skl, srkl, tvd"),
+        (["divergence=nope"], "divergence=nope: no such option; allowed: " + ", ".join(sorted(DIVERGENCES))),
         (["trainer.nope=1"], "trainer.nope"),
         (["trainer.lr=abc"], "trainer.lr"),
         (["divergence.name=nope"], "nope"),

@@ -178,8 +178,9 @@ def test_resume_across_world_sizes(reference, local_pair_dir, tmp_path):
     run_dir = tmp_path / "run"
     first = run_subprocess(pair_args(local_pair_dir) + ARGS + ["trainer.parallel=ddp", f"trainer.max_steps={STEPS // 2}"], run_dir)
     assert first.returncode == 0, first.stderr[-3000:]
-    # the eval after step 2 of the short run is not in the reference's log: compare steps only
-    res = torchrun(pair_args(local_pair_dir) + ARGS + ["trainer.parallel=ddp"], run_dir)
+    # the eval after step 2 of the short run is not in the reference's log: compare steps only;
+    # more steps than the checkpoint's run is an extension, asked for (the schedule is constant)
+    res = torchrun(pair_args(local_pair_dir) + ARGS + ["trainer.parallel=ddp", "trainer.extend=true"], run_dir)
     assert res.returncode == 0, res.stderr[-4000:]
     assert_same_run(reference, run_dir)
 

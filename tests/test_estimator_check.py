@@ -56,14 +56,14 @@ def test_cosine_table_ours_follow_the_gradient_and_the_others_do_not(regime):
             assert min(r["cosines"]) >= 0.9999, label
         elif regime == "far":  # every biased estimator listed shows its bias far from the teacher
             assert min(r["cosines"]) < 0.999, label
-    beta1_rkl = rows["seed 001 beta=1 (t - s) vs rkl"]["cosines"]
+    beta1_rkl = rows["Trinity-RFT beta=1 (t - s) vs rkl"]["cosines"]
     assert beta1_rkl == pytest.approx([-1.0] * 3, abs=1e-12)  # exactly ascends reverse KL
-    assert max(rows["seed 001 beta=1 (t - s) vs fkl"]["cosines"]) < -0.5
+    assert max(rows["Trinity-RFT beta=1 (t - s) vs fkl"]["cosines"]) < -0.5
     if regime == "near":  # the clip does not bite when r stays near 1
         assert min(rows["fkl: -min(r, 2) (clip=2)"]["cosines"]) >= 0.9999
     else:
         for b in (0.3, 0.5, 0.9):
-            assert max(rows[f"seed 001 shipped, beta={b}"]["cosines"]) < 0
+            assert max(rows[f"Trinity-RFT as shipped, beta={b}"]["cosines"]) < 0
         assert min(rows["fkl: -min(r, 2) (clip=2)"]["cosines"]) < 0.95  # clipping biases far from T
         assert min(rows["top-2 renormalised (biased), rkl"]["cosines"]) < 0
 

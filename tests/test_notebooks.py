@@ -89,7 +89,10 @@ def test_notebook_compare_variants_runs_on_a_tiny_multirun(tmp_path, monkeypatch
     nb, seconds = execute("compare_variants", tmp_path, monkeypatch)
     text = text_outputs(nb)
     assert f"{folder}: 6 jobs, 2 variants" in text
-    assert "| divergence=jsd,divergence.beta=0.5 | 0,1,2 | 0.61 ± 0.01 | 0.02 ± 0.01 | 0.11 ± 0.01 | 3.33 ± 1.2 |" in text
+    # the reader's names: short variant labels and metric names, before / after / change
+    assert "| variant | seeds | divergence | eval accuracy before | eval accuracy after | Δ eval accuracy |" in text
+    assert "| jsd, β=0.5 | 0,1,2 | jsd | 0.1 ± 0 | 0.61 ± 0.01 | +0.51 ± 0.01 |" in text
+    assert "divergence=" not in text.split("teacher eval accuracy")[0].split("| variant |")[1]
     assert "teacher eval accuracy: 0.9" in text
     assert images(nb) == 2
     assert seconds < 30
@@ -103,7 +106,7 @@ def test_notebook_estimator_check_reproduces_the_seed_table(tmp_path, monkeypatc
     assert "+0.300  -0.593 .. -0.151  +1.000" in text
     assert "+0.500  -0.787 .. -0.423  +1.000" in text
     assert "+0.900  -0.937 .. -0.758  +1.000" in text
-    assert "seed 001 beta=1 (t - s) vs rkl" in text and "skl alpha=0.1" in text and "top-4 + sampled tail" in text
+    assert "Trinity-RFT beta=1 (t - s) vs rkl" in text and "skl alpha=0.1" in text and "top-4 + sampled tail" in text
     assert "rel_std" in text
     assert images(nb) == 1
     assert seconds < 30

@@ -35,31 +35,74 @@ def test_scrub_redacts_keys_and_env_secrets():
     assert tracking.scrub(["logger.api_key=abc", "divergence=jsd"], secrets=[]) == ["logger.api_key=<redacted>", "divergence=jsd"]
 
 
-def test_tags_are_the_overrides_and_the_divergence():
-    tags = tracking.run_tags(
-        ["mine"],
-        [
-            "sweep=divergence",
-            "+variant=jsd_0.5",
-            "seed=1",
-            "hydra.launcher.n_jobs=2",
-            "logger.mode=online",
-            "model_pair.student=/a/" + "x" * 100,
-        ],
-        {"name": "jsd", "beta": 0.5, "alpha": 0.1},
+def test_tags_are_the_variant_overrides_and_the_divergence():
+    overrides = [
+        "sweep=divergence",
+        "+variant=jsd_0.5",
+        "seed=1",
+        "trainer.eval_every=25",
+        "trainer.max_steps=100",
+        "hydra.launcher.n_jobs=2",
+        "logger.mode=online",
+        "model_pair.student=/a/" + "x" * 100,
+    ]
+    job = tracking.JobInfo(
+        overrides=overrides, multirun=True, sweep_dir="multirun/divergence/embedded", swept=frozenset({"variant", "seed"})
     )
-    assert tags[:4] == ["mine", "sweep=divergence", "variant=jsd_0.5", "seed=1"]
-    assert tags[-2:] == ["divergence=jsd", "divergence.beta=0.5"]
-    assert all(len(t) <= 64 for t in tags) and not any(t.startswith(("hydra", "logger")) for t in tags)
+    variant = tracking.variant_overrides(overrides, job)
+    assert variant == ["variant=jsd_0.5"]  # swept, and not the seed
+    tags = tracking.run_tags(["mine"], variant, {"name": "jsd", "beta": 0.5, "alpha": 0.1})
+    assert tags == ["mine", "variant=jsd_0.5", "divergence=jsd", "divergence.beta=0.5"]
+    # a single run: what changes the training, not its bookkeeping
+    single = ["divergence=jsd", "trainer.eval_every=25", "loss.kl_coef=2", "seed=1", "trainer.device=cpu", "logger.mode=online"]
+    assert tracking.variant_overrides(single, tracking.JobInfo(overrides=single)) == ["divergence=jsd", "loss.kl_coef=2"]
     # an override that is also derived appears once
     assert tracking.run_tags([], ["divergence=rkl"], {"name": "rkl", "beta": 0.5}) == ["divergence=rkl"]
 
 
-def test_group_is_the_config_or_the_multirun_folder():
-    multirun = tracking.JobInfo(multirun=True, sweep_dir="multirun/2025-01-01/12-00-00")
-    assert tracking.run_group("divergence", multirun) == "divergence"
-    assert tracking.run_group(None, multirun) == "multirun/2025-01-01/12-00-00"
+def test_swept_keys_come_from_comma_lists_and_sweep_functions():
+    got = tracking.swept_keys(["divergence=rkl,jsd", "seed=range(3)", "trainer.max_steps=100", "+x=[1,2]", "logger.tags=[a,b]"])
+    assert got == {"divergence", "seed"}
+
+
+def test_group_tells_sweeps_with_other_settings_apart():
+    def job(*extra, swept=("variant", "seed")):
+        overrides = ["sweep=divergence", "variant=rkl", "seed=0", *extra]
+        return tracking.JobInfo(overrides=overrides, multirun=True, sweep_dir="multirun/divergence/embedded", swept=frozenset(swept))
+
+    short, long_, other_job = job("trainer.max_steps=100"), job("trainer.max_steps=2500"), job("trainer.max_steps=100")
+    other_job.overrides[1] = "variant=jsd_0.5"  # another variant of the same sweep: the same group
+    g100, g2500 = tracking.run_group("divergence", short, "embedded"), tracking.run_group("divergence", long_, "embedded")
+    assert g100.startswith("divergence/embedded/") and g2500.startswith("divergence/embedded/") and g100 != g2500
+    assert tracking.run_group("divergence", other_job, "embedded") == g100
+    assert len(g100.rsplit("/", 1)[1]) == 8
+    # no logger.group: the multirun folder is the sweep
+    adhoc = tracking.JobInfo(
+        overrides=["divergence=rkl"], multirun=True, sweep_dir="multirun/2025-01-01/12-00-00", swept=frozenset({"divergence"})
+    )
+    assert tracking.run_group(None, adhoc, "embedded").startswith("multirun/2025-01-01/12-00-00/embedded/")
+    # logger.group typed on the command line is taken as it is; a single run has only that
+    explicit = job("logger.group=mine")
+    assert tracking.run_group("mine", explicit, "embedded") == "mine"
+    assert tracking.run_group("divergence", tracking.JobInfo()) == "divergence"
     assert tracking.run_group(None, tracking.JobInfo()) is None
+    # names: unique across the two sweeps, stable for one
+    n100 = tracking.run_name(None, Path("multirun/divergence/embedded/0_rkl_seed0"), short)
+    n2500 = tracking.run_name(None, Path("multirun/divergence/embedded/0_rkl_seed0"), long_)
+    assert n100.startswith("0_rkl_seed0-") and n100 != n2500 and n100.endswith(g100.rsplit("/", 1)[1])
+    assert tracking.run_name(None, Path("multirun/2025-01-01/12-00-00/3"), adhoc).startswith("12-00-00_3-")
+    assert tracking.run_name("given", Path("x"), short) == "given"
+
+
+def test_logged_config_leaves_out_parameters_the_divergence_does_not_take():
+    cfg = {"divergence": {"name": "rkl", "beta": 0.5, "alpha": 0.1, "temperature": 1.0, "clip": None}, "seed": 0}
+    assert tracking.logged_config(cfg, "divergence=rkl") == {
+        "divergence": {"name": "rkl", "temperature": 1.0},
+        "seed": 0,
+        "variant": "divergence=rkl",
+    }
+    jsd = tracking.logged_config({"divergence": {"name": "jsd", "beta": 0.9, "alpha": 0.1, "temperature": 1.0}}, "v")
+    assert jsd["divergence"] == {"name": "jsd", "beta": 0.9, "temperature": 1.0}
 
 
 def _init_args(tmp_path, **kw):
@@ -185,8 +228,10 @@ def test_offline_run_holds_the_metrics_config_and_resumes(local_pair, tmp_path):
     rows = [json.loads(ln) for ln in (run_dir / "metrics.jsonl").read_text().splitlines()]
     (run,) = inspect(run_dir)
     assert run["state"] == "finished" and run["exit_code"] == 0
-    assert run["config"]["divergence"]["name"] == "jsd" and run["config"]["divergence"]["beta"] == 0.9
-    assert {"divergence=jsd", "divergence.beta=0.9"} <= set(run["tags"])
+    assert run["config"]["divergence"] == {"name": "jsd", "beta": 0.9, "temperature": 1.0}  # no alpha, no clip
+    assert run["config"]["variant"] == "divergence=jsd,divergence.beta=0.9"
+    assert run["config"]["pair"] == {"teacher": {"path": str(local_pair / "teacher")}, "student": {"path": str(local_pair / "student")}}
+    assert set(run["tags"]) == {"divergence=jsd", "divergence.beta=0.9"}  # not trainer.*, task.*, model_pair.*
     summary, last_train = run["summary"], rows[-1]
     for key in ("jsd/mean", "kl/reverse", "kl/forward", "loss"):
         assert summary[key] == pytest.approx(last_train[key], rel=1e-6), key
@@ -207,6 +252,10 @@ def test_offline_run_holds_the_metrics_config_and_resumes(local_pair, tmp_path):
     # resume: the same folder, more steps -> the same W&B run id
     run_id = (run_dir / "wandb_id.txt").read_text()
     cmd[cmd.index("trainer.max_steps=2")] = "trainer.max_steps=3"
+    refused = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "(trainer.max_steps: 2 -> 3)" in refused.stderr  # other settings: only on purpose
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1  # refused before W&B started
+    cmd.append("trainer.extend=true")
     again = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     runs = inspect(run_dir)
@@ -244,7 +293,8 @@ def test_multirun_gives_one_run_per_job_and_marks_the_failed_one(local_pair, tmp
         *tiny_args(local_pair),
         f"hydra.sweep.dir={sweep}",
     ]
-    done = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=400)
+    env = {k: v for k, v in run_env().items() if k != "WANDB_SILENT"}  # quiet by itself in a multirun
+    done = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert done.returncode != 0 and "test crash in train_step" in done.stderr  # Hydra reports the failed job
     jobs = sorted(p for p in sweep.iterdir() if p.is_dir() and not p.name.startswith("."))
     assert [j.name for j in jobs] == ["0_sampled_seed0", "1_topk_seed0", "2_full_seed0"]
@@ -256,8 +306,10 @@ def test_multirun_gives_one_run_per_job_and_marks_the_failed_one(local_pair, tmp
     assert [r["exit_code"] for r in runs] == [0, 1, 0]
     assert (jobs[2] / "summary.json").is_file()  # the job after the failure ran to the end
     for r, est in zip(runs, ("sampled", "topk", "full")):
-        assert {f"estimator={est}", "seed=0", "loss=reinforce", "divergence=jsd", "divergence.beta=0.5"} <= set(r["tags"])
-        assert r["config"]["estimator"]["name"] == est
+        assert sorted(r["tags"]) == sorted([f"estimator={est}", "divergence=jsd", "divergence.beta=0.5"])  # swept + divergence; no seed
+        assert r["config"]["estimator"]["name"] == est and r["config"]["variant"] == f"estimator={est}"
+        assert "alpha" not in r["config"]["divergence"]
+    assert "wandb: " not in done.stdout + done.stderr  # a multirun's jobs keep W&B's banners quiet
     for j in jobs:
         assert_no_key(j)
     group = [
@@ -270,7 +322,9 @@ def test_multirun_gives_one_run_per_job_and_marks_the_failed_one(local_pair, tmp
         ).stdout.splitlines()
         if '"type":"run"' in ln
     ]
-    assert group[0]["run"]["run_group"] == "estimator" and group[0]["run"]["job_type"] == "train"
+    run_group = group[0]["run"]["run_group"]
+    assert run_group.startswith("estimator/local/") and group[0]["run"]["job_type"] == "train"
+    assert group[0]["run"]["display_name"] == f"0_sampled_seed0-{run_group.rsplit('/', 1)[1]}"
 
 
 @pytest.mark.slow
@@ -295,3 +349,25 @@ def test_online_start_failure_for_real(tmp_path, monkeypatch):
     assert len(warned) == 1
     (r,) = inspect(tmp_path / "b")
     assert r["run_id"] == "fallback0001" and r["summary"]["jsd/mean"] == 0.5
+
+
+def test_the_trained_divergence_is_summarised_like_the_fixed_eval_metrics(tmp_path, monkeypatch):
+    class FakeRun:
+        id = "fake00000001"
+
+        def __init__(self):
+            self.defined, self.summary = {}, {}
+
+        def define_metric(self, key, step_metric=None, summary=None):
+            self.defined[key] = summary
+
+    made = {}
+    monkeypatch.setattr(
+        tracking, "start_run", lambda run_dir, **kw: made.setdefault("run", FakeRun()) if made.update(kw=kw) is None else None
+    )
+    sink = tracking.WandbSink(tmp_path, config={"divergence": {"name": "tvd", "beta": 0.5, "alpha": 0.1, "temperature": 1.0}}, overrides=[])
+    run = made["run"]
+    assert run.defined["eval/tvd"] == "min,last" and run.defined["eval/kl_reverse"] == "min,last"
+    assert made["kw"]["config"]["divergence"] == {"name": "tvd", "temperature": 1.0} and made["kw"]["config"]["variant"] == "default"
+    sink.summary({"eval/tvd": 0.25, "steps": 3})
+    assert run.summary == {"final/eval/tvd": 0.25, "steps": 3}

@@ -10,8 +10,9 @@ import torch
 
 from opd_exp.cli.prepare import main as prepare_main
 from opd_exp.config.world import EmbeddedModelConfig, EmbeddedPairConfig, TaskConfig
-from opd_exp.pairs.embedded import cache
+from opd_exp.pairs.embedded import cache, prepare
 from opd_exp.pairs.embedded.prepare import prepare_embedded
+from opd_exp.tasks.arithmetic import ArithmeticTask
 
 
 def test_cache_root_precedence(monkeypatch, tmp_path):
@@ -161,3 +162,41 @@ def test_opd_prepare_command(tmp_path, monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == "error: model_pair.embedded.teacher.lr: got 2.0; allowed: a float in (0, 1)"
     assert prepare_main(["lr=2"]) == 2
     assert "allowed: key=value with a key under model_pair. or task." in capsys.readouterr().err
+
+
+def test_every_build_is_announced_with_its_reason(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OPD_EXP_CACHE", str(tmp_path))
+    pair = EmbeddedPairConfig(teacher=_tiny(), student=_tiny(), n_sft=64, n_check=8, threads=1)
+    teacher_entry = cache.entry_path("embedded-teacher", prepare.model_key("teacher", pair, TaskConfig(n_eval=20)))
+    # a build killed by SIGKILL left its temp folder; another entry's build is in progress
+    (tmp_path / f".tmp-{teacher_entry.name}-dead").mkdir(parents=True)
+    (tmp_path / ".tmp-embedded-other-0123-live").mkdir()
+    capsys.readouterr()
+    first = prepare_embedded(pair, TaskConfig(n_train=10, n_eval=20), progress=False)
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("opd-exp:")]
+    assert err[0] == (
+        "opd-exp: building the embedded teacher once (5 SFT steps, under a minute on a laptop CPU): "
+        f"not in the cache yet (first run on this machine); cached in {first.teacher}"
+    )
+    assert err[1].startswith("opd-exp: building the embedded student once (5 SFT steps")
+    assert first.teacher == teacher_entry
+    assert not (tmp_path / f".tmp-{teacher_entry.name}-dead").exists()  # swept under the entry's lock
+    assert (tmp_path / ".tmp-embedded-other-0123-live").exists()  # not ours to remove
+    assert first.info["teacher"]["hash"] == teacher_entry.name.rsplit("-", 1)[1]
+    # the same recipe again: no rebuild, nothing announced
+    again = prepare_embedded(pair, TaskConfig(n_train=10, n_eval=20), progress=False)
+    assert (again.teacher, again.student) == (first.teacher, first.student)
+    assert "opd-exp:" not in capsys.readouterr().err
+    # another eval set is another teacher (the SFT data excludes it): announced with the reason
+    prepare_embedded(pair, TaskConfig(n_train=10, n_eval=30), progress=False)
+    lines = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("opd-exp:")]
+    assert len(lines) == 2 and "task.n_eval: 20 -> 30" in lines[0], lines
+    # a recipe change is announced with its reason
+    prepare_embedded(
+        EmbeddedPairConfig(teacher=_tiny(3), student=_tiny(), n_sft=64, n_check=8, threads=1),
+        TaskConfig(n_train=10, n_eval=30),
+        progress=False,
+    )
+    (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("opd-exp:")]
+    assert line.startswith("opd-exp: building the embedded teacher once (3 SFT steps")
+    assert "its recipe differs from the cached one (model.sft_steps: 5 -> 3)" in line

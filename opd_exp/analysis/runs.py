@@ -30,8 +30,35 @@ from typing import Any
 
 SEED_KEYS = ("seed",)
 TABLE_METRICS = ("eval/accuracy", "eval/jsd", "eval/kl_reverse")
-CURVE_METRICS = ("jsd/mean", "kl/reverse", "eval/accuracy")
+# per-step training metrics (EMA-smoothed when plotted), then the eval panels
+CURVE_METRICS = ("jsd/mean", "kl/reverse", "eval/accuracy", "eval/jsd", "eval/kl_reverse", "own")
 METRICS_FILE = "metrics.jsonl"
+OWN = "own"  # the pseudo-metric "the variant's own eval divergence" (eval/<its divergence>)
+# eval metrics that equal eval/<name> for the divergences the trainer always evaluates
+OWN_ALIASES = {"rkl": "eval/kl_reverse", "fkl": "eval/kl_forward", "jsd": "eval/jsd"}
+# Short names for tables and legends, in the words of a paper (the metric keys stay exact in
+# the code and in --metric).
+LABELS = {
+    "eval/accuracy": "eval accuracy",
+    "eval/teacher_accuracy": "teacher accuracy",
+    "eval/jsd": "eval JSD",
+    "eval/kl_reverse": "eval KL(S‖T)",
+    "eval/kl_forward": "eval KL(T‖S)",
+    "jsd/mean": "train JSD",
+    "kl/reverse": "train KL(S‖T)",
+    "kl/forward": "train KL(T‖S)",
+    "loss": "loss",
+    OWN: "eval: own divergence",
+}
+
+
+def metric_label(metric: str) -> str:
+    """The reader's name of a metric (``eval/kl_reverse`` -> ``eval KL(S‖T)``)."""
+    if metric in LABELS:
+        return LABELS[metric]
+    if metric.startswith("eval/"):
+        return "eval " + metric[5:]
+    return metric
 
 
 class AnalysisError(Exception):
@@ -49,6 +76,8 @@ class Run:
     summary: dict[str, Any] = field(default_factory=dict)  # summary.json, when the run finished
     variant: str = ""
     bad_lines: int = 0  # unreadable metrics.jsonl lines (e.g. the last line of a killed job)
+    divergence: str | None = None  # the trained divergence's name (from the run's config)
+    source: str = ""  # the label of the folder it was loaded from (opd-compare A B, name=path)
 
     def metrics(self) -> list[str]:
         return sorted(self.series)
@@ -65,6 +94,24 @@ class Run:
             if v is not None and math.isfinite(v):
                 return v
         return None
+
+    def first(self, metric: str) -> float | None:
+        """The first finite value logged (for ``eval/*``: the evaluation before training)."""
+        for _, v in self.series.get(metric, []):
+            if v is not None and math.isfinite(v):
+                return v
+        return None
+
+    def own_metric(self) -> str | None:
+        """``eval/<divergence>``: the trained divergence at its own parameters (older runs:
+        the fixed eval metric it equals, for rkl, fkl and jsd)."""
+        if self.divergence is None:
+            return None
+        key = f"eval/{self.divergence}"
+        if key in self.series:
+            return key
+        alias = OWN_ALIASES.get(self.divergence)
+        return alias if alias in self.series else None
 
     def steps_per_s(self) -> float | None:
         """Training steps per second: logged step times if present, else the summary's wall time."""
@@ -140,13 +187,18 @@ def read_run(run_dir: str | Path) -> Run:
         seed = int(seed) if seed is not None else None
     except (TypeError, ValueError):
         seed = None
+    config = _read_yaml(run_dir / ".hydra" / "config.yaml")
+    div = config.get("divergence") if isinstance(config, dict) else None
+    divergence = overrides.get("divergence.name", overrides.get("divergence"))
+    if isinstance(div, dict) and div.get("name"):
+        divergence = str(div["name"])
     summary = {}
     if (run_dir / "summary.json").is_file():
         try:
             summary = json.loads((run_dir / "summary.json").read_text())
         except ValueError:
             summary = {}
-    return Run(path=run_dir, overrides=overrides, seed=seed, series=series, summary=summary, bad_lines=bad)
+    return Run(path=run_dir, overrides=overrides, seed=seed, series=series, summary=summary, bad_lines=bad, divergence=divergence)
 
 
 def _natural_key(path: Path) -> list:
@@ -199,6 +251,49 @@ def load_runs(folder: str | Path) -> list[Run]:
     return runs
 
 
+_LABEL = re.compile(r"^[\w.+-]+$")
+
+
+def parse_source(spec: str) -> tuple[str | None, Path]:
+    """``name=path`` -> (name, path); a plain path -> (None, path). A path that itself holds
+    ``=`` (Hydra folder names do) and exists is taken as a path."""
+    name, sep, rest = str(spec).partition("=")
+    if sep and _LABEL.match(name) and not Path(spec).exists():
+        return name, Path(rest)
+    return None, Path(spec)
+
+
+def _short_labels(paths: Sequence[Path]) -> list[str]:
+    """The shortest path tails that tell the folders apart (``multirun/a/x``, ``multirun/b/x`` -> ``a/x``, ``b/x``)."""
+    parts = [p.resolve().parts for p in paths]
+    for n in range(1, max((len(p) for p in parts), default=1) + 1):
+        labels = ["/".join(p[-n:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(p) for p in paths]
+
+
+def load_sources(specs: Sequence[str | Path]) -> tuple[list[Run], list[tuple[str, Path]]]:
+    """Several folders (``A B C`` or ``name=path``), each a multirun or a single run, as one
+    list of Runs; with more than one folder a run's variant is its folder's label (plus the
+    variant inside the folder when it holds several). Returns (runs, [(label, folder)])."""
+    parsed = [parse_source(str(s)) for s in specs]
+    defaults = _short_labels([p for _, p in parsed])
+    sources = [(name or default, path) for (name, path), default in zip(parsed, defaults)]
+    if len({label for label, _ in sources}) != len(sources):
+        raise AnalysisError(f"two folders have the label {[lbl for lbl, _ in sources]!r}; allowed: distinct name=path labels")
+    runs: list[Run] = []
+    for label, path in sources:
+        these = load_runs(path)
+        several = len({r.variant for r in these}) > 1
+        for r in these:
+            r.source = label
+            if len(sources) > 1:
+                r.variant = f"{label}: {r.variant}" if several else label
+        runs += these
+    return runs, sources
+
+
 def latest_multirun(roots: Sequence[str | Path] = ("multirun", "../multirun")) -> Path | None:
     """The newest ``multirun/<date>/<time>`` folder that holds metrics, or None."""
     candidates = []
@@ -244,6 +339,7 @@ def load_wandb(project: str, entity: str | None = None, group: str | None = None
                 seed=int(seed) if seed is not None else None,
                 series=series,
                 summary=dict(wr.summary or {}),
+                divergence=((wr.config or {}).get("divergence") or {}).get("name"),
             )
         )
     assign_variants(runs)
@@ -275,14 +371,25 @@ def available_metrics(runs: Iterable[Run]) -> list[str]:
     return sorted({m for r in runs for m in r.series})
 
 
-def summary_table(runs: Sequence[Run], metrics: Sequence[str] = TABLE_METRICS) -> list[dict[str, Any]]:
-    """One row per variant: ``variant``, ``seeds``, ``n``, each metric's final value and
-    ``steps/s`` as (mean, std, n) over seeds."""
+def summary_table(runs: Sequence[Run], metrics: Sequence[str] = TABLE_METRICS, *, own: bool = True) -> list[dict[str, Any]]:
+    """One row per variant: ``variant``, ``seeds``, ``n``; per metric its final value
+    (``row[m]``), its first value (``row[m + " before"]``: for eval metrics the evaluation
+    before training) and the change (``row[m + " delta"]``, per seed, then over seeds), each
+    as (mean, std, n) over seeds; with ``own`` the same for the variant's own eval divergence
+    (``own``, named in ``row["divergence"]``); and ``steps/s``."""
     rows = []
     for variant, rs in group_by_variant(runs).items():
         row: dict[str, Any] = {"variant": variant, "seeds": [r.seed for r in rs], "n": len(rs)}
-        for m in metrics:
-            row[m] = mean_std(r.final(m) for r in rs)
+        cols = [(m, (lambda r, m=m: m)) for m in metrics]
+        if own:
+            cols.append((OWN, Run.own_metric))
+            row["divergence"] = ",".join(dict.fromkeys(r.divergence or "?" for r in rs))
+        for key, which in cols:
+            after = [r.final(which(r)) if which(r) else None for r in rs]
+            before = [r.first(which(r)) if which(r) else None for r in rs]
+            row[key] = mean_std(after)
+            row[f"{key} before"] = mean_std(before)
+            row[f"{key} delta"] = mean_std(a - b if a is not None and b is not None else None for a, b in zip(after, before))
         row["steps/s"] = mean_std(r.steps_per_s() for r in rs)
         rows.append(row)
     return rows
@@ -308,34 +415,53 @@ def curve(runs: Sequence[Run], metric: str) -> dict[str, list[float]]:
 # -- presentation -------------------------------------------------------------
 
 
-def format_stat(stat: tuple[float, float, int], digits: int = 4) -> str:
+def format_stat(stat: tuple[float, float, int], digits: int = 4, signed: bool = False) -> str:
     mean, std, n = stat
     if n == 0:
         return "n/a"
+    value = f"{mean:+.{digits}g}" if signed else f"{mean:.{digits}g}"
     if n == 1:
-        return f"{mean:.{digits}g}"
-    return f"{mean:.{digits}g} ± {std:.2g}"
+        return value
+    return f"{value} ± {std:.2g}"
 
 
-def format_table(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = TABLE_METRICS, fmt: str = "text") -> str:
-    """The rows of ``summary_table`` as aligned text, a Markdown table, or CSV (mean,std columns)."""
+def table_columns(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = TABLE_METRICS, before: bool = True) -> list[tuple[str, str]]:
+    """(header, row key) of each value column: per metric before / after / Δ (or the final
+    value alone), then the own divergence's, then steps/s."""
+    cols: list[tuple[str, str]] = []
+    names = list(metrics) + ([OWN] if rows and OWN in rows[0] else [])
+    for m in names:
+        label = metric_label(m)
+        if before:
+            cols += [(f"{label} before", f"{m} before"), (f"{label} after", m), (f"Δ {label}", f"{m} delta")]
+        else:
+            cols.append((label, m))
+    return cols + [("steps/s", "steps/s")]
+
+
+def format_table(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = TABLE_METRICS, fmt: str = "text", *, before: bool = True) -> str:
+    """The rows of ``summary_table`` as aligned text, a Markdown table, or CSV (mean,std
+    columns, exact metric keys). ``before``: before / after / Δ columns per metric."""
+    cols = table_columns(rows, metrics, before)
+    own = bool(rows) and OWN in rows[0]
     if fmt == "csv":
         import csv
         import io
 
         buf = io.StringIO()
         w = csv.writer(buf, lineterminator="\n")
-        cols = [*metrics, "steps/s"]
-        w.writerow(["variant", "seeds", "n"] + [f"{c}_{x}" for c in cols for x in ("mean", "std")])
+        keys = [k for _, k in cols]
+        w.writerow(["variant", "seeds", "n"] + (["divergence"] if own else []) + [f"{k}_{x}" for k in keys for x in ("mean", "std")])
         for row in rows:
             seeds = " ".join("?" if s is None else str(s) for s in row["seeds"])
-            w.writerow([row["variant"], seeds, row["n"]] + [f"{row[c][x]:.6g}" for c in cols for x in (0, 1)])
+            lead = [row["variant"], seeds, row["n"]] + ([row["divergence"]] if own else [])
+            w.writerow(lead + [f"{row[k][x]:.6g}" for k in keys for x in (0, 1)])
         return buf.getvalue()
-    header = ["variant", "seeds", *metrics, "steps/s"]
+    header = ["variant", "seeds"] + (["divergence"] if own else []) + [h for h, _ in cols]
     body = [
         [row["variant"], ",".join("?" if s is None else str(s) for s in row["seeds"])]
-        + [format_stat(row[m]) for m in metrics]
-        + [format_stat(row["steps/s"], digits=3)]
+        + ([row["divergence"]] if own else [])
+        + [format_stat(row[k], digits=3 if k == "steps/s" else 4, signed=k.endswith(" delta")) for _, k in cols]
         for row in rows
     ]
     if fmt == "markdown":
@@ -349,16 +475,70 @@ def format_table(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = TABLE_
     return "\n".join([line(header), line("-" * w for w in widths), *map(line, body)]) + "\n"
 
 
+_SHORT_KEYS = {"divergence.beta": "β", "divergence.alpha": "α", "rollout.on_policy_fraction": "on-policy", "loss.kl_coef": "kl_coef"}
+_BARE_KEYS = ("divergence", "variant", "estimator", "loss", "sweep", "divergence.name", "estimator.name", "loss.name")
+
+
+def short_label(variant: str) -> str:
+    """A legend label: ``divergence=jsd,divergence.beta=0.5`` -> ``jsd, β=0.5``; a dotted key
+    keeps its last part (``trainer.lr=1e-3`` -> ``lr=1e-3``); a folder label is kept."""
+    head, sep, rest = variant.rpartition(": ")
+    parts = []
+    for item in (rest if sep else variant).split(","):
+        key, eq, value = item.partition("=")
+        if not eq:
+            parts.append(item)
+        elif key in _BARE_KEYS:
+            parts.append(value)
+        else:
+            parts.append(f"{_SHORT_KEYS.get(key, key.rsplit('.', 1)[-1])}={value}")
+    label = ", ".join(parts)
+    return f"{head}: {label}" if sep else label
+
+
+_LINESTYLES = ("-", "--", ":", "-.")
+
+
+def ema(values: Sequence[float], span: float) -> list[float]:
+    """Exponential moving average with weight 2/(span+1), bias-corrected at the start (the
+    first points are not pulled toward 0)."""
+    if span <= 1 or not values:
+        return list(values)
+    a = 2.0 / (span + 1.0)
+    out, acc, norm = [], 0.0, 0.0
+    for v in values:
+        acc = (1 - a) * acc + a * v
+        norm = (1 - a) * norm + a
+        out.append(acc / norm)
+    return out
+
+
+def auto_span(n_points: int) -> float:
+    """Smoothing span for a per-step curve: about 1/25 of its points, at most 100 (short
+    runs are barely smoothed)."""
+    return min(max(1.0, n_points / 25.0), 100.0)
+
+
 def plot_curves(
     runs: Sequence[Run],
     metrics: Sequence[str] = CURVE_METRICS,
     *,
     axes=None,
     band: str = "range",
+    smooth: bool | float = True,
+    logy: bool | Sequence[str] = False,
+    title: str | None = None,
+    teacher: bool = True,
+    ncols: int = 3,
 ):
     """One panel per metric, one line per variant (mean over seeds) with the seeds as a
     band (``range``: min..max over seeds; ``std``: mean ± std). Returns the Figure.
 
+    ``smooth``: per-step training metrics (not ``eval/*``) are EMA-smoothed (True: a span of
+    about 1/25 of the points; a number: that span; False: raw), the raw mean drawn faintly
+    behind. ``logy``: log scale for every panel (True) or the named metrics. ``own``
+    as a metric is each variant's own eval divergence. ``teacher``: the teacher's eval
+    accuracy as a dashed reference line on ``eval/accuracy``. ``title``: the figure's title.
     ``axes``: a sequence of matplotlib Axes to draw on (a notebook passes
     ``plt.subplots(...)[1]``); without it a pyplot-free Figure is made, safe headless.
     """
@@ -367,31 +547,92 @@ def plot_curves(
     if axes is None:
         from matplotlib.figure import Figure
 
-        fig = Figure(figsize=(5 * len(metrics), 3.8), layout="constrained")
-        axes = fig.subplots(1, len(metrics), squeeze=False)[0]
+        cols = min(ncols, len(metrics))
+        rows = math.ceil(len(metrics) / cols)
+        fig = Figure(figsize=(4.6 * cols, 3.4 * rows + 0.9), layout="constrained")
+        axes = list(fig.subplots(rows, cols, squeeze=False).flat)
+        for ax in axes[len(metrics) :]:
+            ax.set_visible(False)
     else:
         axes = list(getattr(axes, "flat", axes))
         fig = axes[0].figure
+    log_metrics = {m for m in metrics if not m.endswith("accuracy")} if logy is True else set(logy or ())
     groups = group_by_variant(runs)
     for ax, metric in zip(axes, metrics):
+        spans: list[float] = []
         for i, (variant, rs) in enumerate(groups.items()):
-            c = curve(rs, metric)
+            if metric == OWN:
+                own = {r.own_metric() for r in rs} - {None}
+                c = curve(rs, own.pop()) if len(own) == 1 else curve([], metric)
+            else:
+                c = curve(rs, metric)
             if not c["step"]:
                 continue
-            color = f"C{i % 10}"
-            ax.plot(c["step"], c["mean"], color=color, label=f"{variant} (n={len(rs)})", marker="." if len(c["step"]) < 20 else None)
+            color, style = f"C{i % 10}", _LINESTYLES[i % len(_LINESTYLES)]  # overlapping lines stay apart (and in print)
+            mean, lo, hi = c["mean"], c["min"], c["max"]
+            if band == "std":
+                lo = [m - s for m, s in zip(c["mean"], c["std"])]
+                hi = [m + s for m, s in zip(c["mean"], c["std"])]
+            span = 1.0
+            if smooth and not metric.startswith("eval/") and metric != OWN:
+                span = auto_span(len(c["step"])) if smooth is True else float(smooth)
+                spans.append(span)
+            if span > 1:
+                ax.plot(c["step"], mean, color=color, alpha=0.2, linewidth=0.8)
+                mean, lo, hi = ema(mean, span), ema(lo, span), ema(hi, span)
+            seeds = f"{len(rs)} seeds" if len(rs) > 1 else "1 seed"
+            ax.plot(
+                c["step"],
+                mean,
+                color=color,
+                linestyle=style,
+                label=f"{short_label(variant)} ({seeds})",
+                marker="." if len(c["step"]) < 20 else None,
+            )
             if len(rs) > 1:
-                if band == "range":
-                    lo, hi = c["min"], c["max"]
-                else:
-                    lo = [m - s for m, s in zip(c["mean"], c["std"])]
-                    hi = [m + s for m, s in zip(c["mean"], c["std"])]
                 ax.fill_between(c["step"], lo, hi, color=color, alpha=0.2, linewidth=0)
-        ax.set_title(metric)
-        ax.set_xlabel("step")
+        if metric == "eval/accuracy" and teacher:
+            t = mean_std(r.final("eval/teacher_accuracy") for r in runs)
+            if t[2]:
+                ax.axhline(t[0], color="0.3", linestyle="--", linewidth=1, label=f"teacher ({t[0]:.2f})")
+        span = max(spans, default=1.0)
+        ax.set_title(metric_label(metric) + (f" (EMA, span {span:.0f} steps)" if span >= 1.5 else ""))
+        ax.set_xlabel("training step")
+        if metric in log_metrics:
+            ys = [y for line in ax.lines for y in line.get_ydata()]
+            if metric.endswith("accuracy") or not ys or min(ys) <= 0:  # e.g. an unbiased KL estimate below 0
+                ax.set_title(
+                    ax.get_title() + " (linear: values ≤ 0)" if ys and min(ys) <= 0 and not metric.endswith("accuracy") else ax.get_title()
+                )
+            else:
+                ax.set_yscale("log")
         ax.grid(alpha=0.3)
-    for ax in axes:  # one legend, on the first panel that has lines
-        if ax.get_legend_handles_labels()[0]:
-            ax.legend(fontsize="small")
-            break
+    handles: dict[str, Any] = {}
+    for ax in axes:  # one legend for the figure: every variant once, and the teacher line
+        for h, lbl in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(lbl, h)
+    if handles:
+        from matplotlib.layout_engine import ConstrainedLayoutEngine
+
+        if isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine):
+            fig.legend(
+                list(handles.values()),
+                list(handles),
+                loc="outside lower center",
+                ncols=min(4, len(handles)),
+                fontsize="small",
+                frameon=False,
+            )
+        else:  # the caller's figure: a legend on the first panel
+            axes[0].legend(list(handles.values()), list(handles), fontsize="small")
+    if title:
+        fig.suptitle(title)
     return fig
+
+
+def figure_title(sources: Sequence[tuple[str, Path]], runs: Sequence[Run]) -> str:
+    """``<folder(s)>: N jobs, M steps`` for a figure's title."""
+    steps = sorted({max(r.steps(m)[-1] for m in r.series if r.series[m]) for r in runs if r.series})
+    where = str(sources[0][1]) if len(sources) == 1 else ", ".join(label for label, _ in sources)
+    span = f"{steps[0]} steps" if len(steps) == 1 else f"{steps[0]}–{steps[-1]} steps" if steps else "no steps"
+    return f"{where}: {len(runs)} jobs, {span}"

@@ -1,12 +1,14 @@
-"""`opd-compare`: compare the variants of a multirun sweep from its run folders.
+"""`opd-compare`: compare runs from their folders: several multiruns or single runs, side by side.
 
-    opd-compare multirun/2025-01-01/12-00-00
-    opd-compare multirun/2025-01-01/12-00-00 --plot curves.png --format markdown
-    opd-compare outputs/2025-01-01/12-00-00 --metric eval/kl_forward --metric jsd/mean
+    opd-compare multirun/divergence/embedded
+    opd-compare base=outputs/2025-01-01/12-00-00 new=outputs/2025-01-02/09-00-00 --format markdown
+    opd-compare multirun/a multirun/b --plot curves.png --log-y --metric eval/kl_forward
 
 Prints one row per variant (a job's overrides minus the seed and minus the overrides all jobs
-share) with the final value of each metric as mean ± sample std over seeds, and training
-steps/s. Errors are one line on stderr with exit code 2.
+of its folder share; with several folders, the folder's label first) with, per metric, its
+value before training, after, and the change, as mean ± sample std over seeds; then the
+variant's own eval divergence (``eval/<its divergence>``) the same way, and training steps/s.
+Jobs that wrote nothing are listed apart. Errors are one line on stderr with exit code 2.
 """
 
 from __future__ import annotations
@@ -17,12 +19,14 @@ from pathlib import Path
 
 from opd_exp.analysis import (
     CURVE_METRICS,
+    OWN,
     TABLE_METRICS,
     AnalysisError,
     available_metrics,
+    figure_title,
     find_failed_jobs,
     format_table,
-    load_runs,
+    load_sources,
     mean_std,
     plot_curves,
     summary_table,
@@ -32,66 +36,84 @@ from opd_exp.analysis import (
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="opd-compare",
-        description="Compare the variants of an opd-train multirun: final metrics over seeds, and curves.",
+        description="Compare opd-train runs: before/after/change per variant over seeds, the variant's own divergence, and curves.",
     )
-    p.add_argument("folder", type=Path, help="a Hydra multirun folder (multirun/<date>/<time>) or one run folder")
+    p.add_argument(
+        "folders",
+        nargs="+",
+        metavar="FOLDER",
+        help="a Hydra multirun folder or one run folder; several to compare them; NAME=FOLDER to label one",
+    )
     p.add_argument(
         "--metric",
         action="append",
         default=None,
         metavar="NAME",
-        help=f"table column, repeatable (default: {', '.join(TABLE_METRICS)})",
+        help=f"table column, repeatable (default: {', '.join(TABLE_METRICS)}; the own divergence is always added)",
     )
-    p.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="write curves per variant to this image")
+    p.add_argument("--final-only", action="store_true", help="only the final value per metric (no before / change columns)")
+    p.add_argument("--plot", type=Path, default=None, metavar="OUT.png", help="write curves per variant to this image (or .pdf/.svg)")
     p.add_argument(
         "--curve",
         action="append",
         default=None,
         metavar="NAME",
-        help=f"curve panel for --plot, repeatable (default: {', '.join(CURVE_METRICS)})",
+        help=f"curve panel for --plot, repeatable (default: {', '.join(CURVE_METRICS)}; '{OWN}': each variant's own eval divergence)",
     )
     p.add_argument("--band", choices=("range", "std"), default="range", help="seed band: min..max (default) or mean ± std")
+    p.add_argument("--no-smooth", action="store_true", help="plot per-step training metrics raw (default: EMA-smoothed)")
+    p.add_argument("--smooth", type=float, default=None, metavar="SPAN", help="EMA span in logged steps (default: ~1/25 of the run)")
+    p.add_argument("--log-y", action="store_true", help="log scale on the y axes of --plot")
+    p.add_argument("--title", default=None, help="figure title (default: the folders, jobs and steps)")
     p.add_argument("--format", choices=("text", "markdown", "csv"), default="text", help="table format (default: text)")
     return p
 
 
 def _check_metrics(names, known, what):
-    unknown = [m for m in names if m not in known]
+    unknown = [m for m in names if m not in known and m != OWN]
     if unknown:
         raise AnalysisError(f"{what} {', '.join(map(repr, unknown))} not in any job's metrics.jsonl; allowed: {', '.join(known)}")
 
 
 def run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    runs = load_runs(args.folder)
+    runs, sources = load_sources(args.folders)
     known = available_metrics(runs)
     metrics = args.metric or list(TABLE_METRICS)
     if args.metric:  # asked-for columns must exist; default ones may be missing (shown n/a)
         _check_metrics(metrics, known, "metric")
-    curves = args.curve or list(CURVE_METRICS)
+    curves = args.curve or [m for m in CURVE_METRICS if m in known or m == OWN] or list(CURVE_METRICS)
     if args.curve:
         _check_metrics(curves, known, "curve")
 
-    table = format_table(summary_table(runs, metrics), metrics, fmt=args.format)
+    before = not args.final_only
+    table = format_table(summary_table(runs, metrics), metrics, fmt=args.format, before=before)
+    failed = [(label, d) for label, folder in sources for d in find_failed_jobs(folder)]
     if args.format == "csv":
         sys.stdout.write(table)
     else:
         n_var = len({r.variant for r in runs})
-        print(f"{args.folder}: {len(runs)} jobs, {n_var} variants; final values, mean ± std over seeds")
+        where = str(args.folders[0]) if len(sources) == 1 else f"{len(sources)} folders ({', '.join(lbl for lbl, _ in sources)})"
+        what = "before training -> final, and the change" if before else "final values"
+        print(f"{where}: {len(runs)} jobs, {n_var} variants; {what}, mean ± std over seeds")
         sys.stdout.write(table)
-        teacher = mean_std(r.final("eval/teacher_accuracy") for r in runs)
-        if teacher[2]:
-            print(f"teacher eval accuracy: {teacher[0]:.4g}")
+        for label, _ in sources:
+            teacher = mean_std(r.final("eval/teacher_accuracy") for r in runs if r.source == label)
+            if teacher[2]:
+                print(f"teacher eval accuracy{f' ({label})' if len(sources) > 1 else ''}: {teacher[0]:.4g}")
         for r in runs:
             if r.bad_lines:
                 print(f"note: {r.path}: skipped {r.bad_lines} unreadable metrics.jsonl line(s)")
-        for d in find_failed_jobs(args.folder):
-            print(f"note: {d}: job wrote no metrics.jsonl (failed or still starting); left out")
+        if failed:
+            print(f"jobs that wrote no metrics.jsonl (failed at start, or still starting), left out: {len(failed)}")
+            for _, d in failed:
+                print(f"  {d}")
 
     if args.plot is not None:
-        fig = plot_curves(runs, curves, band=args.band)
+        smooth = False if args.no_smooth else (args.smooth if args.smooth is not None else True)
+        fig = plot_curves(runs, curves, band=args.band, smooth=smooth, logy=args.log_y, title=args.title or figure_title(sources, runs))
         args.plot.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.plot, dpi=120)
+        fig.savefig(args.plot, dpi=150)
         if args.format != "csv":
             print(f"curves written to {args.plot}")
     return 0

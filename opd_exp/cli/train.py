@@ -28,7 +28,12 @@ from opd_exp.config import TrainConfig, register_configs
 from opd_exp.runtime.errors import ConfigError, first_line
 from opd_exp.runtime.guards import EXIT_CONFIG, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED, Diverged, Preempted
 
-register_configs()
+try:
+    register_configs()  # loads OPD_PLUGINS first: their divergences and tasks become choices
+except ConfigError as _ex:  # a plugin that does not import: one line from main()
+    _PLUGIN_ERROR: ConfigError | None = _ex
+else:
+    _PLUGIN_ERROR = None
 register_sweeps()  # sweeps/ on Hydra's search path: `opd-train -m sweep=<name>`
 
 
@@ -90,6 +95,10 @@ def _job(cfg: DictConfig, hc, run_dir: Path) -> float:
             scrub_sweep_record(Path(hc.sweep.dir))
         check_choices(hc)
         typed = _validated(cfg, hc)
+        # a resume with other settings is refused before W&B or any model starts
+        from opd_exp.runtime.fingerprint import check_run_folder
+
+        check_run_folder(run_dir, typed)
         return _train(typed, run_dir)
 
 
@@ -365,6 +374,8 @@ def main() -> None:
     import yaml
     from hydra.errors import HydraException
 
+    if _PLUGIN_ERROR is not None:
+        _fail(_PLUGIN_ERROR)
     user_wants_full = bool(os.environ.get("HYDRA_FULL_ERROR"))
     problem = _argv_problem(sys.argv[1:])
     if problem and not user_wants_full:

@@ -24,15 +24,33 @@ _REGISTERED = False
 
 
 def register_configs() -> None:
-    """Store the run schema as ``train_schema``; conf/train.yaml extends it, so every group
-    file is merged into a typed node (unknown keys, wrong types and bad enum names fail)."""
+    """Load the user's plugins (``opd_exp.config.plugins``), then store the run schema as
+    ``train_schema``; conf/train.yaml extends it, so every group file is merged into a typed
+    node (unknown keys, wrong types and bad enum names fail)."""
     global _REGISTERED
-    if _REGISTERED:
-        return
+    from opd_exp.config.plugins import load_plugins
+
+    load_plugins()  # OPD_PLUGINS and entry points: their divergences and tasks are valid choices
     from hydra.core.config_store import ConfigStore
 
+    store_divergence_options(ConfigStore.instance())
+    if _REGISTERED:
+        return
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     _REGISTERED = True
+
+
+def store_divergence_options(store) -> None:
+    """``divergence=<name>`` for every registered divergence without a conf/divergence/ file
+    (a registered one needs no YAML; Hydra lists it among the options)."""
+    from pathlib import Path
+
+    from opd_exp.divergences import DIVERGENCES
+
+    conf = Path(__file__).resolve().parents[2] / "conf" / "divergence"
+    for name in DIVERGENCES:
+        if not (conf / f"{name}.yaml").exists():
+            store.store(group="divergence", name=name, node={"name": name})
 
 
 __all__ = [

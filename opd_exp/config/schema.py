@@ -36,13 +36,51 @@ def _finite(x: float) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
 
-class DivergenceName(Enum):
-    rkl = "rkl"
-    fkl = "fkl"
-    jsd = "jsd"
-    skl = "skl"
-    srkl = "srkl"
-    tvd = "tvd"
+class _RegistryChoice(Enum):
+    """An enum whose members are the names in a registry, kept in step with it: a name
+    registered later (``register_divergence``) becomes a member, so OmegaConf accepts it and
+    an unknown name still fails with the list of valid ones."""
+
+    @classmethod
+    def _missing_(cls, value):
+        # a pickled member from a process whose plugins registered it (joblib launcher jobs)
+        from opd_exp.config.plugins import load_plugins
+
+        load_plugins()
+        return cls._value2member_map_.get(value)
+
+    @classmethod
+    def _add(cls, value: str) -> None:
+        if value in cls._value2member_map_:
+            return
+        member = object.__new__(cls)
+        member._name_ = member._value_ = value
+        member.__objclass__ = cls
+        member.__init__(value)
+        setattr(cls, value, member)  # DivergenceName.<name>, before it is a member (no reassign check)
+        cls._member_names_.append(value)
+        cls._member_map_[value] = member
+        cls._value2member_map_[value] = member
+
+
+def _divergence_choices():
+    from opd_exp.divergences import DIVERGENCES
+
+    return [(n, n) for n in DIVERGENCES]
+
+
+# Built from the divergence registry (rkl, fkl, jsd, skl, srkl, tvd, and registered ones).
+DivergenceName = _RegistryChoice("DivergenceName", _divergence_choices())
+
+
+def _on_new_divergence(cls) -> None:
+    unknown = [k for k in cls.param_names if k not in _DIVERGENCE_KEYS]
+    if unknown:
+        raise ValueError(
+            f"register_divergence: {cls.__name__} takes {', '.join(unknown)}, which the config cannot set; "
+            f"allowed parameter names: {', '.join(_DIVERGENCE_KEYS)} (keys of divergence.)"
+        )
+    DivergenceName._add(cls.name)
 
 
 class EstimatorName(Enum):
@@ -103,6 +141,7 @@ class DivergenceConfig:
     """Which divergence D(S, T) the student lowers, per response position."""
 
     # rkl KL(S||T) | fkl KL(T||S) | jsd | skl KL(T||aT+(1-a)S) | srkl KL(S||aS+(1-a)T) | tvd
+    # | any registered with register_divergence (docs/extending.md)
     name: DivergenceName = DivergenceName.fkl
     # jsd mixing weight, TRL/GKD convention: M = beta*T + (1-beta)*S; beta=0 is fkl, beta=1 is rkl.
     # (Trinity-RFT's lambda_coef documents the reverse endpoints.)
@@ -123,10 +162,23 @@ class DivergenceConfig:
             _check(_finite(self.clip) and self.clip > 0, "divergence.clip", self.clip, "null or > 0")
 
     def params(self) -> dict[str, float]:
-        """Keyword arguments of ``get_divergence`` for this divergence (unset ones left out)."""
+        """Keyword arguments of ``get_divergence`` for this divergence (unset ones left out);
+        also what W&B logs of this group (a jsd run has no alpha)."""
         from opd_exp.divergences import parameter_names
 
         return {k: getattr(self, k) for k in parameter_names(self.name.value) if getattr(self, k) is not None}
+
+
+_DIVERGENCE_KEYS = ("beta", "alpha", "clip")  # the DivergenceConfig fields a divergence may take
+
+
+def _hook_registry() -> None:
+    from opd_exp.divergences import on_register
+
+    on_register(_on_new_divergence)
+
+
+_hook_registry()
 
 
 @dataclass
@@ -238,8 +290,8 @@ class TrainerConfig:
     grad_clip: float = 1.0
     # evaluate every N steps (0: only before and after training)
     eval_every: int = 250
-    # eval prompts (0: the task's whole eval split)
-    eval_size: int = 256
+    # eval prompts (0: the task's whole eval split); more than the split holds is refused
+    eval_size: int = 0
     # sequences per eval generation batch
     eval_batch_size: int = 128
     # checkpoint every N steps (0: only at the end)
@@ -257,6 +309,11 @@ class TrainerConfig:
     num_threads: int = 1
     # console progress bar
     progress: bool = True
+    # resume a run folder whose checkpoint was made with other settings (e.g. a larger
+    # max_steps): without it such a resume is refused, naming the keys that differ. The
+    # learning rate continues from the checkpoint's value, decaying over the remaining steps;
+    # each session's overrides are appended to <run>/history.yaml
+    extend: bool = False
     # stop (exit 3) after this many steps in a row whose loss, gradient norm or teacher
     # log-probs were NaN/inf; each such step is skipped (no update) and counted
     max_bad_steps: int = 10

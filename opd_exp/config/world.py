@@ -12,7 +12,14 @@ from typing import Any
 from opd_exp.runtime.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
-TASKS = ("arithmetic", "gsm8k")
+# Task names the config accepts: the built-ins, then any added with ``opd_exp.tasks.register_task``
+# (which appends here; tasks depend on config, never the reverse).
+TASKS: list[str] = ["arithmetic", "gsm8k"]
+
+
+def add_task_name(name: str) -> None:
+    if name not in TASKS:
+        TASKS.append(name)
 
 
 def _check(ok: bool, key: str, value: object, allowed: str) -> None:
@@ -112,7 +119,7 @@ class ModelPairConfig:
 class TaskConfig:
     """Which problems the student learns on and is evaluated on."""
 
-    name: str = "arithmetic"  # arithmetic (embedded, synthetic) | gsm8k
+    name: str = "arithmetic"  # arithmetic (embedded, synthetic) | gsm8k | a registered task (docs/extending.md)
     seed: int = 0  # draws the training problems (arithmetic) / their order
     n_train: int = 20000  # training problems (gsm8k: 0 = all available)
     n_eval: int = 200  # eval problems, fixed and disjoint from train (gsm8k: 0 = all)

@@ -19,7 +19,9 @@ s and t may be -inf (a token with zero probability); 0 * log 0 terms are taken a
 from __future__ import annotations
 
 import math
+import re
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -338,10 +340,72 @@ class TotalVariation(Divergence):
         return torch.zeros_like(t)
 
 
-_REGISTRY: dict[str, type[Divergence]] = {
-    cls.name: cls for cls in (ReverseKL, ForwardKL, JensenShannon, SkewForwardKL, SkewReverseKL, TotalVariation)
-}
-DIVERGENCES: tuple[str, ...] = tuple(_REGISTRY)
+_REGISTRY: dict[str, type[Divergence]] = {}
+_LISTENERS: list = []  # called with each newly registered class (the config schema's choices)
+
+
+class _Names(Sequence):
+    """The registered divergence names, in registration order; a live view of the registry."""
+
+    def __getitem__(self, i):
+        return tuple(_REGISTRY)[i]
+
+    def __len__(self) -> int:
+        return len(_REGISTRY)
+
+    def __contains__(self, name) -> bool:
+        return name in _REGISTRY
+
+    def __eq__(self, other) -> bool:
+        return tuple(self) == tuple(other) if isinstance(other, Sequence) else NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(tuple(_REGISTRY))
+
+
+DIVERGENCES: Sequence[str] = _Names()
+_NAME_RE = re.compile(r"^[a-z][a-z0-9_]*$")
+
+
+def register_divergence(cls: type[Divergence] | None = None, *, replace: bool = False):
+    """Add a ``Divergence`` subclass to the registry under its ``name``; usable as a decorator.
+
+    After this, ``get_divergence(name)``, ``divergence.name=<name>`` on the command line, the
+    tests that loop over the registry and ``check_divergence`` all see it. A name already taken
+    fails unless ``replace=True`` (the built-ins can be shadowed only on purpose).
+    """
+
+    def add(c: type[Divergence]) -> type[Divergence]:
+        if not (isinstance(c, type) and issubclass(c, Divergence)):
+            raise TypeError(f"register_divergence: {c!r} is not a Divergence subclass")
+        name = getattr(c, "name", None)
+        if not isinstance(name, str) or not _NAME_RE.match(name):
+            raise ValueError(f"register_divergence: {c.__name__}.name={name!r}; allowed: a lower-case identifier like 'jeffreys'")
+        if getattr(c, "__abstractmethods__", None):
+            raise TypeError(f"register_divergence: {c.__name__} leaves {', '.join(sorted(c.__abstractmethods__))} unimplemented")
+        if name in _REGISTRY and _REGISTRY[name] is not c and not replace:
+            raise ValueError(
+                f"register_divergence: {name!r} is already registered ({_REGISTRY[name].__name__}); allowed: a new name, or replace=True"
+            )
+        for listener in _LISTENERS:
+            listener(c)  # may refuse (e.g. a parameter the config has no key for) before it is added
+        _REGISTRY[name] = c
+        return c
+
+    return add if cls is None else add(cls)
+
+
+def on_register(listener) -> None:
+    """Call ``listener(cls)`` for every divergence registered from now on (and every one so far)."""
+    _LISTENERS.append(listener)
+    for c in _REGISTRY.values():
+        listener(c)
+
+
+for _cls in (ReverseKL, ForwardKL, JensenShannon, SkewForwardKL, SkewReverseKL, TotalVariation):
+    register_divergence(_cls)
 
 
 def parameter_names(name: str) -> tuple[str, ...]:
@@ -349,12 +413,17 @@ def parameter_names(name: str) -> tuple[str, ...]:
     return _REGISTRY[name].param_names
 
 
-def get_divergence(name: str, **params) -> Divergence:
-    """Build a divergence by name: rkl, fkl (clip), jsd (beta), skl (alpha), srkl (alpha), tvd."""
+def divergence_class(name: str) -> type[Divergence]:
     if name not in _REGISTRY:
         raise ValueError(f"unknown divergence {name!r}; allowed: {', '.join(DIVERGENCES)}")
-    allowed = parameter_names(name)
+    return _REGISTRY[name]
+
+
+def get_divergence(name: str, **params) -> Divergence:
+    """Build a registered divergence by name: rkl, fkl (clip), jsd (beta), skl (alpha), srkl (alpha), tvd, and any added with ``register_divergence``."""
+    cls = divergence_class(name)
+    allowed = cls.param_names
     for key in params:
         if key not in allowed:
             raise ValueError(f"divergence {name!r} takes no parameter {key!r}; allowed: {', '.join(allowed) or 'none'}")
-    return _REGISTRY[name](**params)
+    return cls(**params)

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from opd_exp.divergences import Divergence, filtered_value, get_divergence, topk_estimate
+from opd_exp.divergences.catalog import Divergence, get_divergence
+from opd_exp.divergences.filtered import filtered_value
+from opd_exp.divergences.topk import topk_estimate
 
 DTYPE = torch.float64
 Cost = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (s, t) over the vocabulary -> c
@@ -186,9 +188,9 @@ ESTIMATORS: tuple[Estimator, ...] = (
         for n, p in (("rkl", {}), ("jsd", {"beta": 0.5}))
         for k in (2, 4)
     ),
-    *(Estimator(f"seed 001 shipped, beta={b}", ("jsd", {"beta": b}), "shipped_jsd", (b,), ours=False) for b in (0.3, 0.5, 0.9)),
-    Estimator("seed 001 beta=1 (t - s) vs rkl", ("rkl", {}), "shipped_beta1", ours=False),
-    Estimator("seed 001 beta=1 (t - s) vs fkl", ("fkl", {}), "shipped_beta1", ours=False),
+    *(Estimator(f"Trinity-RFT as shipped, beta={b}", ("jsd", {"beta": b}), "shipped_jsd", (b,), ours=False) for b in (0.3, 0.5, 0.9)),
+    Estimator("Trinity-RFT beta=1 (t - s) vs rkl", ("rkl", {}), "shipped_beta1", ours=False),
+    Estimator("Trinity-RFT beta=1 (t - s) vs fkl", ("fkl", {}), "shipped_beta1", ours=False),
 )
 
 
@@ -242,7 +244,7 @@ VALUE_ESTIMATORS: tuple[ValueEstimator, ...] = (
     ValueEstimator("rkl: r - 1 - log r", ("rkl", {}), "rkl_k3"),
     ValueEstimator("fkl: r (t - s)", ("fkl", {})),
     *(ValueEstimator(f"jsd beta={b}", ("jsd", {"beta": b})) for b in (0.1, 0.5, 0.9)),
-    ValueEstimator("jsd beta=0.5, seed 001 shipped (biased)", ("jsd", {"beta": 0.5}), "shipped_jsd"),
+    ValueEstimator("jsd beta=0.5, Trinity-RFT as shipped (biased)", ("jsd", {"beta": 0.5}), "shipped_jsd"),
     ValueEstimator("jsd beta=0.5, top-4 + tail", ("jsd", {"beta": 0.5}), "topk", 4),
     ValueEstimator("skl alpha=0.1", ("skl", {"alpha": 0.1})),
     ValueEstimator("srkl alpha=0.1", ("srkl", {"alpha": 0.1})),
@@ -296,3 +298,131 @@ def format_rows(rows: Sequence[dict], columns: Sequence[str], digits: int = 3) -
     widths = [max(len(x) for x in col) for col in zip(columns, *body)]
     fmt = lambda cells: "  ".join(x.ljust(w) for x, w in zip(cells, widths)).rstrip()
     return "\n".join([fmt(columns), fmt(["-" * w for w in widths]), *map(fmt, body)])
+
+
+# -- check_divergence: the exactness checks, for any divergence ------------------
+
+REGIMES = ("peaked-near", "peaked-far", "flat-near", "flat-far")
+
+
+class DivergenceCheckError(AssertionError):
+    """A divergence failed one of ``check_divergence``'s checks; the message is one line."""
+
+
+@dataclass(frozen=True)
+class CheckResult:
+    check: str  # what was compared
+    worst: float  # the largest error over regimes and seeds (relative where it says so)
+    tol: float
+    where: str  # regime and seed of the worst case
+
+    @property
+    def ok(self) -> bool:
+        return math.isfinite(self.worst) and self.worst <= self.tol
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """What ``check_divergence`` measured: one row per check (all passed if it returned)."""
+
+    divergence: str
+    results: tuple[CheckResult, ...]
+
+    @property
+    def ok(self) -> bool:
+        return all(r.ok for r in self.results)
+
+    def __str__(self) -> str:
+        lines = [f"check_divergence({self.divergence}):"]
+        for r in self.results:
+            lines.append(f"  {'ok  ' if r.ok else 'FAIL'} {r.check:<58} worst {r.worst:.2e} (tol {r.tol:.0e}, {r.where})")
+        return "\n".join(lines)
+
+
+def _check_pair(seed: int, regime: str, vocab: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    scale = 4.0 if regime.startswith("peaked") else 0.5
+    zs = scale * torch.randn(rows, vocab, generator=g, dtype=DTYPE)
+    noise = 0.2 * torch.randn(rows, vocab, generator=g, dtype=DTYPE)
+    zt = zs + noise if regime.endswith("near") else scale * torch.randn(rows, vocab, generator=g, dtype=DTYPE)
+    return zs, zt
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    scale = max(float(want.abs().max()), 1e-12)
+    return float((got - want).abs().max()) / scale
+
+
+def check_divergence(
+    div: Divergence,
+    *,
+    vocab: int = 11,
+    rows: int = 4,
+    seeds: Sequence[int] = (0, 1, 2),
+    regimes: Sequence[str] = REGIMES,
+    tol: float = 1e-6,
+    reference: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    raise_on_failure: bool = True,
+) -> CheckReport:
+    """Run the enumeration checks this project holds its own divergences to, on ``div``.
+
+    Over a small vocabulary (float64, student/teacher logits near and far, peaked and flat):
+
+    * ``full`` equals the sum of ``pointwise`` over the vocabulary;
+    * the gradient of ``full`` (its chunked backward from ``pointwise_grad``/``rows_grad``)
+      equals autograd through the sum of ``pointwise`` over ``log_softmax``;
+    * the expected REINFORCE gradient of ``token_cost`` (and of ``token_score``),
+      E_{y~S}[c(y) grad log S(y)] enumerated, equals that exact gradient;
+    * ``token_value`` is unbiased: E_{y~S}[token_value] = D;
+    * identical distributions give 0 (``full`` and ``token_value``), and D >= 0 on every draw;
+    * with ``reference`` (a function of the probabilities ``(S, T) -> D``, written from the
+      definition): ``full`` equals it, and its autograd gradient equals that of ``full``.
+
+    Returns a ``CheckReport`` (print it for the table); on a failure raises
+    ``DivergenceCheckError`` with one line naming the check, the error and where.
+    """
+    results: dict[str, tuple[float, str]] = {}
+    tols = {}
+
+    def record(check: str, err: float, where: str, tolerance: float = tol) -> None:
+        tols[check] = tolerance
+        if not math.isfinite(err):
+            err = math.inf
+        if check not in results or err > results[check][0]:
+            results[check] = (err, where)
+
+    for regime in regimes:
+        for seed in seeds:
+            where = f"{regime}, seed {seed}"
+            zs, zt = _check_pair(seed, regime, vocab, rows)
+            s, t = zs.log_softmax(-1), zt.log_softmax(-1)
+            S = s.exp()
+            z = zs.clone().requires_grad_(True)
+            value = div.full(z, zt)
+            value.sum().backward()
+            grad_full = z.grad
+            z_ref = zs.clone().requires_grad_(True)
+            ref = div.pointwise(z_ref.log_softmax(-1), t).sum(-1)
+            ref.sum().backward()
+            record("full = sum_v pointwise", _rel(value.detach(), ref.detach()), where)
+            record("grad of full = autograd of sum_v pointwise", _rel(grad_full, z_ref.grad), where)
+            record("E_y[token_cost * grad log S] = grad D", _rel(expected_reinforce_grad(div.token_cost(s, t), S), grad_full), where)
+            record("E_y[token_score * grad log S] = grad D", _rel(expected_reinforce_grad(div.token_score(s, t), S), grad_full), where)
+            record("E_y[token_value] = D (unbiased)", _rel((S * div.token_value(s, t)).sum(-1), value.detach()), where)
+            if reference is not None:
+                z_def = zs.clone().requires_grad_(True)
+                want = reference(z_def.softmax(-1), zt.softmax(-1))
+                want.sum().backward()
+                record("full = reference(S, T)", _rel(value.detach(), want.detach()), where)
+                record("grad of full = autograd of reference(S, T)", _rel(grad_full, z_def.grad), where)
+            record("D >= 0", float((-value.detach()).clamp(min=0).max()), where, 1e-12)
+            record("D(S, S) = 0 (full)", float(div.full(zs, zs.clone()).abs().max()), where, 1e-10)
+            record("token_value(s, s) = 0", float(div.token_value(s, s).abs().max()), where, 1e-10)
+    report = CheckReport(repr(div), tuple(CheckResult(k, e, tols[k], w) for k, (e, w) in results.items()))
+    if raise_on_failure:
+        for r in report.results:
+            if not r.ok:
+                raise DivergenceCheckError(
+                    f"check_divergence({report.divergence}): '{r.check}' fails: error {r.worst:.3g} > {r.tol:.0e} ({r.where})"
+                )
+    return report

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 TMP_PREFIX = ".tmp-"
+CACHE_MANIFEST = "opd-exp-manifest.json"  # a prepared cache entry's manifest (pairs.embedded.cache)
 
 
 def sha256_file(path: Path) -> str:

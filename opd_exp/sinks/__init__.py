@@ -36,6 +36,10 @@ class Sink:
     def summary(self, values: Mapping[str, Any]) -> None:
         """Record the run's final values (the `none` logger drops them)."""
 
+    def config(self, values: Mapping[str, Any]) -> None:
+        """Add to the run's config what is known only once the models load (the prepared
+        pair's hash and accuracies); the `none` logger drops it."""
+
     def close(self) -> None:
         """Flush and release (nothing to do for the `none` logger)."""
 
@@ -123,6 +127,10 @@ class MultiSink(Sink):
     def summary(self, values):
         for s in self.sinks:
             s.summary(values)
+
+    def config(self, values):
+        for s in self.sinks:
+            s.config(values)
 
     def close(self):
         for s in self.sinks:

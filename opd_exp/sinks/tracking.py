@@ -3,16 +3,20 @@
 Never imports models or the trainer. What it decides for one job:
 
 - **config**: the resolved, validated config as a plain dict (enums by value), with anything
-  that looks like a secret redacted (``scrub``).
-- **group**: ``logger.group`` if set (each file in ``sweeps/`` sets it to the sweep's name),
-  else, in a multirun, the multirun folder (``multirun/2025-01-01/12-00-00``); a single run
-  has no group.
-- **tags**: ``logger.tags``, then the job's Hydra overrides (``divergence=jsd``,
-  ``divergence.beta=0.5``, ``seed=1``; ``hydra.*``/``logger.*`` left out), then the
+  that looks like a secret redacted (``scrub``); divergence parameters the chosen divergence
+  does not take left out (``logged_config``); ``variant``: the label of what the job varies.
+- **group**: in a multirun ``<sweep>/<model pair>/<hash>``: the sweep is ``logger.group``
+  (each file in ``sweeps/`` sets it) or else the multirun folder, and the hash is of the
+  overrides every job shares (``trainer.max_steps=100``), so two runs of a sweep with other
+  settings get two groups. ``logger.group`` typed on the command line is used as it is; a
+  single run gets only that.
+- **tags**: ``logger.tags``, then the overrides that define the variant (in a multirun the
+  swept ones, read from the sweep file and from ``multirun.yaml``; never the seed,
+  ``hydra.*``, ``logger.*`` or bookkeeping such as ``trainer.eval_every``), then the
   divergence it ran (``divergence=jsd``, ``divergence.beta=0.5``) so runs of a sweep that
   picks divergences through another key still carry them. ``opd_exp.analysis.load_wandb``
   reads ``key=value`` tags back as overrides.
-- **name**: ``name`` if set, else the job's folder name.
+- **name**: ``name`` if set, else in a multirun the job's folder name plus the group's hash.
 - **id**: kept in ``<run folder>/wandb_id.txt``: running again in the same folder (a resume)
   continues the same W&B run.
 - **where**: ``<run folder>/wandb/``.
@@ -64,6 +68,7 @@ class JobInfo:
     sweep_dir: str | None = None  # hydra.sweep.dir, for a multirun
     sweep: str | None = None  # the `sweep=` choice, if any
     job_num: int | None = None
+    swept: frozenset[str] = frozenset()  # override keys the multirun sweeps (sweep file + comma lists)
 
 
 def hydra_job() -> JobInfo:
@@ -78,13 +83,101 @@ def hydra_job() -> JobInfo:
     except Exception:  # pragma: no cover - Hydra missing or half set up
         return JobInfo()
     multirun = hc.mode == RunMode.MULTIRUN
+    swept: set[str] = set()
+    if multirun:
+        params = hc.sweeper.get("params") or {}
+        swept |= swept_keys(f"{k}={v}" for k, v in params.items())  # a sweep file's lists, not its constants
+        swept |= swept_keys(launch_overrides(Path(str(hc.sweep.dir))))
     return JobInfo(
         overrides=list(hc.overrides.task),
         multirun=multirun,
         sweep_dir=str(hc.sweep.dir) if multirun else None,
         sweep=hc.runtime.choices.get("sweep"),
         job_num=hc.job.get("num") if multirun else None,
+        swept=frozenset(swept),
     )
+
+
+def launch_overrides(sweep_dir: Path) -> list[str]:
+    """The command line's overrides of a multirun, as Hydra saved them in ``multirun.yaml``
+    (before the jobs start, so every launcher's job can read them)."""
+    import yaml
+
+    try:
+        saved = yaml.safe_load((sweep_dir / "multirun.yaml").read_text()) or {}
+        return [str(o) for o in saved["hydra"]["overrides"]["task"]]
+    except (OSError, KeyError, TypeError, yaml.YAMLError):
+        return []
+
+
+_SWEEP_FUNCS = ("range(", "choice(", "glob(", "interval(", "tag(")
+
+
+def swept_keys(overrides: Iterable[str]) -> set[str]:
+    """Keys given a list on the command line (``divergence=rkl,jsd``, ``seed=range(3)``)."""
+    out = set()
+    for o in overrides:
+        key, sep, value = o.partition("=")
+        if sep and ("," in value or value.startswith(_SWEEP_FUNCS)) and not value.startswith(("[", "{", "'", '"')):
+            out.add(key.lstrip("+~"))
+    return out
+
+
+# -- what defines a variant: tags, the `variant` config key, group and name -------------
+
+SEED_KEYS = ("seed",)
+# overrides that never tell a variant: where and how a run reports, not what it trains
+_NOT_VARIANT = ("hydra.", "hydra/", "logger.", "logger=", "model_pair", "task.path", "trainer.device", "trainer.num_threads")
+# in a single run, the overrides that pick the OPD variant (the rest, budgets and sizes, is
+# the setting: it is in the config, not in the tags)
+VARIANT_KEYS = ("variant", "experiment", "divergence", "estimator", "loss", "rollout.on_policy_fraction")
+
+
+def _key(override: str) -> str:
+    return override.lstrip("+~").partition("=")[0]
+
+
+def variant_overrides(overrides: Iterable[str], job: JobInfo) -> list[str]:
+    """The overrides that define this run's variant: in a multirun the swept ones (not the
+    seed); in a single run those that pick the variant (``VARIANT_KEYS``: divergence,
+    estimator, loss, ...; not ``trainer.eval_every=25``, budgets, the device, the logger)."""
+    from opd_exp.runtime.fingerprint import IGNORED
+
+    out = []
+    for o in overrides:
+        o = o.lstrip("+~")
+        k = _key(o)
+        if "=" not in o or k in SEED_KEYS or o.startswith(_NOT_VARIANT):
+            continue
+        if job.multirun and job.swept:
+            if k in job.swept:
+                out.append(o)
+        elif k not in IGNORED and (k in VARIANT_KEYS or k.startswith(tuple(f"{v}." for v in VARIANT_KEYS))):
+            out.append(o)
+    return out
+
+
+def constant_overrides(overrides: Iterable[str], job: JobInfo) -> list[str]:
+    """A multirun's overrides that every job shares (not swept, not the seed, not hydra/logger):
+    what tells one sweep from another run of it with other settings (100 vs 2500 steps)."""
+    out = []
+    for o in overrides:
+        o = o.lstrip("+~")
+        k = _key(o)
+        if "=" in o and k not in job.swept and k not in SEED_KEYS and not o.startswith(("hydra.", "hydra/", "logger.", "logger=")):
+            out.append(o)
+    return sorted(out)
+
+
+def settings_hash(overrides: Iterable[str]) -> str:
+    import hashlib
+
+    return hashlib.sha256("\n".join(sorted(overrides)).encode()).hexdigest()[:8]
+
+
+def variant_name(variant: Iterable[str]) -> str:
+    """``k=v`` joined by commas (the label opd-compare gives the same job), or ``default``."""
+    return ",".join(variant) or "default"
 
 
 def _override_tag(override: str) -> str | None:
@@ -95,7 +188,8 @@ def _override_tag(override: str) -> str | None:
 
 
 def run_tags(user_tags: Iterable[str], overrides: Iterable[str], divergence: Mapping[str, Any] | None = None) -> list[str]:
-    """logger.tags + the job's overrides + the divergence it ran; each <= 64 chars, no repeats."""
+    """logger.tags + the variant's overrides (``variant_overrides``) + the divergence it ran;
+    each <= 64 chars, no repeats."""
     tags = list(user_tags)
     tags += [t for t in map(_override_tag, overrides) if t]
     if divergence:
@@ -112,16 +206,53 @@ def run_tags(user_tags: Iterable[str], overrides: Iterable[str], divergence: Map
     return out
 
 
-def run_group(group: str | None, job: JobInfo) -> str | None:
-    """logger.group; else the multirun folder for a multirun; else none."""
-    if group:
+def run_group(group: str | None, job: JobInfo, pair: str | None = None, overrides: Iterable[str] | None = None) -> str | None:
+    """A multirun's group: ``<sweep>/<model pair>/<hash of the shared overrides>``, where the
+    sweep is ``logger.group`` (each file in sweeps/ sets it) or else the multirun folder; so a
+    100-step and a 2500-step run of one sweep never share a group. ``logger.group`` given on
+    the command line is taken as it is; a single run has only that."""
+    overrides = list(job.overrides if overrides is None else overrides)
+    explicit = any(o.lstrip("+~").startswith("logger.group=") for o in overrides)
+    if group and (explicit or not job.multirun):
         return group
-    if job.multirun and job.sweep_dir:
+    if not job.multirun:
+        return None
+    base = group
+    if not base and job.sweep_dir:
         sweep_dir = Path(job.sweep_dir)
         with contextlib.suppress(ValueError):  # outside the working directory: keep it absolute
             sweep_dir = sweep_dir.resolve().relative_to(Path.cwd().resolve())
-        return str(sweep_dir)[-128:]
-    return None
+        base = str(sweep_dir)
+    if not base:
+        return None
+    parts = [base] + ([pair] if pair else []) + [settings_hash(constant_overrides(overrides, job))]
+    return "/".join(parts)[-128:]
+
+
+def run_name(name: str | None, run_dir: Path, job: JobInfo, overrides: Iterable[str] | None = None) -> str | None:
+    """``name`` if set; in a multirun the job folder plus the hash of the shared overrides (the
+    group's), so two sweeps with other settings never give two runs one name."""
+    if name or not job.multirun:
+        return name
+    overrides = list(job.overrides if overrides is None else overrides)
+    label = run_dir.name
+    if label.isdigit() and job.sweep_dir:  # an ad-hoc multirun: multirun/<date>/<time>/<n>
+        label = f"{Path(job.sweep_dir).name}_{label}"
+    return f"{label}-{settings_hash(constant_overrides(overrides, job))}"
+
+
+def logged_config(config: Mapping[str, Any], variant: str, pair_info: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The config W&B gets: parameters the chosen divergence does not take left out (an rkl
+    run has no ``divergence.beta``), the ``variant`` label, and the prepared pair's record."""
+    out = dict(config)
+    div = out.get("divergence")
+    if isinstance(div, Mapping) and div.get("name") in DIVERGENCES:
+        keep = set(parameter_names(div["name"])) | {"name", "temperature"}
+        out["divergence"] = {k: v for k, v in div.items() if k in keep}
+    out["variant"] = variant
+    if pair_info:
+        out["pair"] = dict(pair_info)
+    return out
 
 
 # -- starting W&B -----------------------------------------------------------------
@@ -151,6 +282,7 @@ def start_run(
     config: Mapping[str, Any],
     run_id: str,
     warn=None,
+    quiet: bool = False,
 ):
     """``wandb.init`` in ``<run_dir>/wandb`` with ``id=run_id`` (resumed if it exists); on
     failure, fail or fall back to offline as ``on_error`` says. Returns the wandb Run."""
@@ -177,6 +309,8 @@ def start_run(
             resume="allow",
             dir=str(run_dir),
             config=dict(config),
+            # a multirun's jobs would each print W&B's banners: keep its console quiet
+            settings=wandb.Settings(silent=True) if quiet else None,
         )
 
     try:
@@ -256,23 +390,31 @@ class WandbSink(Sink):
             lg["group"] = redact_label(lg.get("group"))
             lg["tags"] = [redact_label(t) for t in lg.get("tags") or []]
         overrides = job.overrides if overrides is None else list(overrides)
+        variant = variant_overrides(overrides, job)
+        pair = (config.get("model_pair") or {}).get("name") if isinstance(config.get("model_pair"), Mapping) else None
         run_id = read_run_id(run_dir) or os.environ.get("WANDB_RUN_ID") or uuid.uuid4().hex[:12]
         self._run = start_run(
             run_dir,
             project=project,
             entity=entity,
-            group=redact_label(run_group(group, job)),
+            group=redact_label(run_group(group, job, pair, overrides)),
             job_type=job_type,
-            tags=[redact_label(t) for t in run_tags(tags, overrides, config.get("divergence"))],
+            tags=[redact_label(t) for t in run_tags(tags, variant, config.get("divergence"))],
             mode=mode,
             on_error=on_error,
-            name=redact_label(name or (run_dir.name if job.multirun else None)),
-            config=config,
+            name=redact_label(run_name(name, run_dir, job, overrides)),
+            config=logged_config(config, variant_name(variant)),
             run_id=run_id,
+            quiet=job.multirun,
         )
         (run_dir / "wandb_id.txt").write_text(self._run.id)
         define_metrics(self._run)
         self._tracked = set(SUMMARIES)
+        div = config.get("divergence")
+        own = f"eval/{div.get('name')}" if isinstance(div, Mapping) and div.get("name") else None
+        if own and own not in self._tracked:  # eval/<the trained divergence>: best and last, like the fixed ones
+            self._run.define_metric(own, step_metric=STEP_METRIC, summary="min,last")
+            self._tracked.add(own)
 
     @classmethod
     def from_config(cls, cfg, run_dir: Path, **kw) -> WandbSink:
@@ -298,6 +440,9 @@ class WandbSink(Sink):
 
     def log(self, metrics, step):
         self._run.log({**_clean(metrics), "step": step})
+
+    def config(self, values):
+        self._run.config.update(dict(values), allow_val_change=True)
 
     def summary(self, values):
         for k, v in _clean(values).items():  # a tracked key keeps its best/last values: its final one

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import math
 import random
 import signal
@@ -37,7 +38,7 @@ import torch
 
 from opd_exp.config.schema import LoggerName, Schedule, TrainConfig
 from opd_exp.divergences import get_divergence
-from opd_exp.runtime import checkpoint
+from opd_exp.runtime import checkpoint, files, fingerprint
 from opd_exp.runtime import distributed as dist_util
 from opd_exp.runtime import precision as prec
 from opd_exp.runtime.errors import ConfigError
@@ -72,6 +73,26 @@ def build_student_engine(cfg: TrainConfig, student, tokenizer, vocab_size: int, 
 
         return VllmRollout.from_config(cfg, student, tokenizer, vocab_size, warn=warn)
     return HfRollout(student, tokenizer, cfg.rollout, vocab_size, source="student", autocast=autocast, synced_gpus=synced_gpus)
+
+
+def pair_record(pair) -> dict[str, Any]:
+    """The prepared pair this run trained: per model its cache hash and the accuracies
+    measured when it was built (a prepared pair differs between machines: same recipe,
+    teacher 0.940 on one, 0.975 on another). Folders that are not prepared entries: their path."""
+    out: dict[str, Any] = {}
+    for role in ("teacher", "student"):
+        path = getattr(pair, f"{role}_path", None)
+        if not path:
+            continue
+        manifest = Path(path) / files.CACHE_MANIFEST
+        try:
+            m = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            out[role] = {"path": str(path)}
+            continue
+        info = m.get("info", {})
+        out[role] = {"hash": m.get("hash"), **{k: info[k] for k in ("accuracy", "format_rate", "n_check") if k in info}}
+    return out
 
 
 class Trainer:
@@ -131,13 +152,11 @@ class Trainer:
                     f"{', '.join(f'{k}={v!r}' for k, v in ignored.items())}; rollouts and evaluation ignore it "
                     "(they sample exactly rollout.temperature/top_k/top_p, and greedy eval is plain argmax)"
                 )
-        eval_divergences = {
-            "eval/jsd": get_divergence("jsd", beta=metric_beta(cfg)),
-            "eval/kl_reverse": get_divergence("rkl"),
-            "eval/kl_forward": get_divergence("fkl"),
-        }
-        if ro.filtered:  # KL(T||S) is infinite under a filter: not logged (docs/training.md)
-            del eval_divergences["eval/kl_forward"]
+        if tc.eval_size > len(evals):  # never clipped in silence: the eval set would not be what was asked
+            raise ConfigError(
+                f"trainer.eval_size={tc.eval_size} is more than the {len(evals)} eval problems of task {cfg.task.name!r}; "
+                f"allowed: 0 (the whole split) up to {len(evals)}, or a larger task.n_eval"
+            )
         eval_problems = evals[: tc.eval_size] if tc.eval_size else evals
         self.evaluator = Evaluator(
             task,
@@ -145,7 +164,7 @@ class Trainer:
             eval_problems,
             batch_size=tc.eval_batch_size,
             teacher=self.teacher_scorer,
-            divergences=eval_divergences,
+            divergences=self._eval_divergences(),
             student_logits=lambda b: self._student_logits(self.student, b),
             chunk_size=cfg.estimator.chunk_size,
             on_prompts=self._count_truncated,
@@ -156,20 +175,52 @@ class Trainer:
         self.train_module = dist_util.wrap_student(self.student, self.dist, self.device)
         self.params = [p for p in self.student.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
+        self._lr_segments: list[dict[str, Any]] = []  # schedule continuations made by trainer.extend
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.state = TrainState(cursor=DataCursor(len(self.train_problems), cfg.seed), guard=StepGuard(tc.max_bad_steps))
         self._extra_sinks = sinks
+        self.pair_record = pair_record(pair)
+        self.fingerprint = fingerprint.config_fingerprint(cfg)
+        self._session: dict[str, Any] = {"session": "start", "from_step": 0}
+
+    def _eval_divergences(self) -> dict:
+        """The fixed eval divergences (one axis for every variant), plus ``eval/<name>``: the
+        trained divergence at its own parameters (what this variant optimises). When it equals
+        one of the fixed ones (jsd at its beta, rkl, fkl) it is that value, not a second pass."""
+        cfg = self.cfg
+        divs = {
+            "eval/jsd": get_divergence("jsd", beta=metric_beta(cfg)),
+            "eval/kl_reverse": get_divergence("rkl"),
+            "eval/kl_forward": get_divergence("fkl"),
+        }
+        if cfg.rollout.filtered:  # KL(T||S) is infinite under a filter: not logged (docs/training.md)
+            del divs["eval/kl_forward"]
+        name = cfg.divergence.name.value
+        own = get_divergence(name, **cfg.divergence.params())
+        self.own_eval_key = f"eval/{name}"
+        self._own_alias = next((k for k, d in divs.items() if type(d) is type(own) and d.params() == own.params()), None)
+        if self._own_alias is None:
+            divs[self.own_eval_key] = own
+        return divs
 
     @property
     def step(self) -> int:
         return self.state.step
 
     def warn(self, line: str) -> None:
-        """One line on stderr (through the progress bar while it is shown)."""
+        """One line on stderr (through the progress bar while it is shown), and in train.log."""
         if self._progress is not None:
             self._progress.write(line)
         else:
             print(line, file=sys.stderr, flush=True)
+        self.log_line(line)
+
+    def log_line(self, line: str) -> None:
+        """Append to ``<run>/train.log`` (Hydra's job log file): the console's lines, kept."""
+        if not self.dist.is_main:
+            return
+        with contextlib.suppress(OSError), open(self.run_dir / "train.log", "a", encoding="utf-8") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
 
     def _warn_once(self, kind: str, text: str) -> None:
         if kind not in self._warned:
@@ -191,12 +242,21 @@ class Trainer:
 
     def _lr_factor(self, step: int) -> float:
         tc = self.cfg.trainer
+        seg = next((g for g in reversed(self._lr_segments) if step >= g["start"]), None)
+        if seg is not None:  # an extended run: from the checkpoint's factor, same shape, to the new end
+            frac = min((step - seg["start"]) / max(seg["end"] - seg["start"], 1), 1.0)
+            return seg["factor"] * self._shape(frac)
         if tc.warmup_steps and step < tc.warmup_steps:
             return (step + 1) / tc.warmup_steps
         frac = min(max(step - tc.warmup_steps, 0) / max(tc.max_steps - tc.warmup_steps, 1), 1.0)
-        if tc.schedule is Schedule.linear:
+        return self._shape(frac)
+
+    def _shape(self, frac: float) -> float:
+        """The decay after warm-up, 1 at frac=0 and (linear, cosine) 0 at frac=1."""
+        schedule = self.cfg.trainer.schedule
+        if schedule is Schedule.linear:
             return 1.0 - frac
-        if tc.schedule is Schedule.cosine:
+        if schedule is Schedule.cosine:
             return 0.5 * (1.0 + math.cos(math.pi * frac))
         return 1.0
 
@@ -358,6 +418,8 @@ class Trainer:
             out = self.evaluator(self.eval_engines["student"], self.device)
         finally:
             self.student.train(was_training)
+        if self._own_alias is not None and self._own_alias in out:
+            out[self.own_eval_key] = out[self._own_alias]
         if self.state.teacher_accuracy is None:
             self.state.teacher_accuracy = self.evaluator.accuracy(self.eval_engines["teacher"])
             out["eval/teacher_accuracy"] = self.state.teacher_accuracy
@@ -373,9 +435,10 @@ class Trainer:
             optimizer = dist_util.Frozen(dist_util.FullOptimizerView(self.student, self.optimizer).state_dict())
         path = checkpoint.checkpoint_root(self.run_dir) / f"step_{self.step:06d}"
         if ds.is_main:
-            path = checkpoint.save(
-                self.run_dir, self.step, model, optimizer, self.scheduler, self.state.state_dict(), keep=self.cfg.trainer.keep_checkpoints
-            )
+            loop = {**self.state.state_dict(), "config": self.fingerprint, "config_hash": fingerprint.short_hash(self.fingerprint)}
+            if self._lr_segments:
+                loop["lr_segments"] = self._lr_segments
+            path = checkpoint.save(self.run_dir, self.step, model, optimizer, self.scheduler, loop, keep=self.cfg.trainer.keep_checkpoints)
         dist_util.barrier(ds)
         return path
 
@@ -387,8 +450,38 @@ class Trainer:
         found = checkpoint.restore(self.run_dir, model, optimizer, self.scheduler, warn=self.warn)
         if found is None:
             return False
-        self.state.load_state_dict(*found)
+        step, loop = found
+        self._check_settings(step, loop.pop("config", None))
+        loop.pop("config_hash", None)
+        self._lr_segments += loop.pop("lr_segments", [])
+        self.state.load_state_dict(step, loop)
+        where = checkpoint.checkpoint_root(self.run_dir) / f"step_{step:06d}"
+        self.warn(f"opd-train: resuming from step {step} (checkpoint {where})")
         return True
+
+    def _check_settings(self, step: int, stored: dict[str, Any] | None) -> None:
+        """Refuse a resume with other settings unless ``trainer.extend``; with it, continue the
+        learning-rate schedule from the checkpoint's value over the new remaining steps."""
+        self._session = {"session": "resume", "from_step": step}
+        if stored is None:
+            self._warn_once("no_fingerprint", "the checkpoint records no settings (written by an older version): not compared")
+            return
+        diff = fingerprint.differences(stored, self.fingerprint)
+        if not diff:
+            return
+        tc = self.cfg.trainer
+        if not tc.extend:
+            raise ConfigError(fingerprint.refusal(self.run_dir, stored, self.fingerprint))
+        group = self.optimizer.param_groups[0]
+        base = self.scheduler.base_lrs[0]
+        factor = group["lr"] / base if base else 0.0
+        self._lr_segments.append({"start": step, "factor": factor, "end": tc.max_steps})
+        self._session = {"session": "extend", "from_step": step, "changed": {k: [a, b] for k, (a, b) in diff.items()}}
+        self.warn(
+            f"opd-train: extending the run from step {step} with other settings ({fingerprint.describe(diff)}); "
+            f"the learning rate continues from {group['lr']:.3g} to the end of the {tc.schedule.value} schedule at step {tc.max_steps}; "
+            f"recorded in {self.run_dir / fingerprint.HISTORY}"
+        )
 
     # -- the run --------------------------------------------------------------
     def _sinks(self, resume_step: int | None) -> Sink:
@@ -416,13 +509,22 @@ class Trainer:
         if isinstance(summary, Preempted):
             raise summary
         if summary and self.dist.is_main:
-            print(self.summary_line(summary), flush=True)  # stdout: `opd-train | tail -1` is the result
+            line = self.summary_line(summary)
+            print(line, flush=True)  # stdout: `opd-train | tail -1` is the result
+            self.log_line(line)
+            self.log_line("summary: " + json.dumps(summary, sort_keys=True, default=str))
         return summary
 
     def _run(self, preempt: PreemptionGuard, stop_after: int | None):
         tc, state = self.cfg.trainer, self.state
         resumed = self.resume()
+        if self.dist.is_main:
+            from opd_exp.sinks.tracking import hydra_job
+
+            fingerprint.append_history(self.run_dir, {**self._session, "overrides": hydra_job().overrides})
         sink = self._sinks(resume_step=self.step if resumed else None)
+        if self.pair_record:
+            sink.config({"pair": self.pair_record})
         self._progress = progress = Progress(tc.max_steps, initial=self.step, enabled=tc.progress)
         t_start = time.perf_counter() - state.elapsed_s
         try:
@@ -469,13 +571,15 @@ class Trainer:
     def summary(self) -> dict[str, Any]:
         before, after = self.state.eval_before, self.state.eval_last
         out: dict[str, Any] = {"steps": self.step, "elapsed_s": round(self.state.elapsed_s, 1)}
-        for key in ("eval/accuracy", "eval/kl_reverse", "eval/kl_forward", "eval/jsd"):
+        for key in dict.fromkeys(("eval/accuracy", "eval/kl_reverse", "eval/kl_forward", "eval/jsd", self.own_eval_key)):
             if key in before:
                 out[f"{key}_before"] = before[key]
             if key in after:
                 out[key] = after[key]
         if self.state.teacher_accuracy is not None:
             out["eval/teacher_accuracy"] = self.state.teacher_accuracy
+        if self.pair_record:
+            out["pair"] = self.pair_record
         return out
 
     def summary_line(self, s: dict[str, Any]) -> str:

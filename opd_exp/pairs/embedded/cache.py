@@ -14,6 +14,7 @@ import hashlib
 import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -23,7 +24,7 @@ from opd_exp.runtime import files
 
 log = logging.getLogger("opd_exp.pairs")
 
-MANIFEST = "opd-exp-manifest.json"  # written last: its presence marks a complete entry
+MANIFEST = files.CACHE_MANIFEST  # written last: its presence marks a complete entry
 
 
 def cache_root() -> Path:
@@ -42,6 +43,18 @@ def key_hash(key: Mapping[str, Any]) -> str:
 
 def entry_path(kind: str, key: Mapping[str, Any], root: Path | None = None) -> Path:
     return (root or cache_root()) / f"{kind}-{key_hash(key)}"
+
+
+def cached_keys(kind: str, root: Path | None = None) -> list[tuple[Path, dict]]:
+    """(entry, manifest) of the complete entries of ``kind`` in the cache, newest first."""
+    root = Path(root) if root is not None else cache_root()
+    out = []
+    for p in root.glob(f"{kind}-*") if root.is_dir() else ():
+        try:
+            out.append((p, read_manifest(p)))
+        except (OSError, ValueError):
+            continue
+    return sorted(out, key=lambda e: str(e[1].get("created", "")), reverse=True)
 
 
 def read_manifest(path: Path) -> dict:
@@ -73,6 +86,10 @@ def get_or_build(
         reason = check_entry(final)  # another process may have built it meanwhile
         if reason is None:
             return final
+        # A build killed by SIGKILL leaves its temp folder: we hold this entry's lock, so no
+        # live builder owns one (other entries' builds are left alone).
+        for leftover in [*root.glob(f"{files.TMP_PREFIX}{final.name}-*"), *root.glob(f"{files.TMP_PREFIX}trash-{final.name}-*")]:
+            shutil.rmtree(leftover, ignore_errors=True)
         if reason != "missing":
             log.warning("cache entry %s is broken (%s): rebuilding it", final, reason)
             files.discard(final)

@@ -1,0 +1,125 @@
+"""What a run folder was trained with: the config fingerprint stored in every checkpoint,
+the check made on resume, and the folder's history of sessions.
+
+A run folder resumed with other settings would be silently wrong (steps 1..N trained with one
+config, the rest with another, and `.hydra/` rewritten by the new session). So every
+checkpoint's loop state holds ``config``: the flattened settings that shape the trained
+weights and the metrics. On resume they are compared with the new config; a difference stops
+the run with one line naming the keys, unless ``trainer.extend=true`` asks for it on purpose.
+Either way each session is appended to ``<run>/history.yaml`` (its overrides, the step it
+started from, what changed), which Hydra never overwrites.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from opd_exp.runtime.secrets import plain_config, scrub
+
+HISTORY = "history.yaml"
+
+# Keys that change neither the trained weights nor the logged numbers' meaning: where the
+# run happens, how it reports, how often it checkpoints. Everything else is fingerprinted.
+IGNORED_PREFIXES = ("logger.",)
+IGNORED = frozenset(
+    {
+        "name",
+        "trainer.progress",
+        "trainer.num_threads",
+        "trainer.device",
+        "trainer.teacher_device",
+        "trainer.extend",
+        "trainer.save_every",
+        "trainer.keep_checkpoints",
+        "trainer.log_every",
+        "trainer.eval_every",
+        "trainer.eval_batch_size",
+        "model_pair.embedded.threads",
+    }
+)
+
+
+def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as ``{"a.b": value}`` (lists kept as values)."""
+    out: dict[str, Any] = {}
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: obj}
+
+
+def config_fingerprint(cfg: Any) -> dict[str, Any]:
+    """The settings of ``cfg`` (a TrainConfig) that shape the run, flattened and JSON-able."""
+    flat = flatten(scrub(plain_config(cfg)))
+    return {k: v for k, v in sorted(flat.items()) if k not in IGNORED and not k.startswith(IGNORED_PREFIXES)}
+
+
+def short_hash(values: dict[str, Any], n: int = 8) -> str:
+    return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:n]
+
+
+def differences(stored: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """{key: (stored value, current value)} for every key that differs (missing = None)."""
+    keys = sorted(set(stored) | set(current))
+    return {k: (stored.get(k), current.get(k)) for k in keys if stored.get(k) != current.get(k)}
+
+
+def describe(diff: dict[str, tuple[Any, Any]], limit: int = 6) -> str:
+    items = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items()]
+    more = f", and {len(items) - limit} more" if len(items) > limit else ""
+    return ", ".join(items[:limit]) + more
+
+
+def append_history(run_dir: Path, entry: dict[str, Any]) -> None:
+    """One YAML list item per session in ``<run>/history.yaml`` (appended, never rewritten)."""
+    import yaml
+
+    entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **scrub(entry)}
+    text = yaml.safe_dump([entry], sort_keys=False, default_flow_style=False, width=200)
+    with open(Path(run_dir) / HISTORY, "a", encoding="utf-8") as f:
+        f.write(text)
+
+
+def read_history(run_dir: Path) -> list[dict[str, Any]]:
+    import yaml
+
+    path = Path(run_dir) / HISTORY
+    return list(yaml.safe_load(path.read_text()) or []) if path.is_file() else []
+
+
+def refusal(run_dir: Path, stored: dict[str, Any], current: dict[str, Any]) -> str | None:
+    """The one-line refusal of a resume with other settings, or None when they agree."""
+    diff = differences(stored, current)
+    if not diff:
+        return None
+    return (
+        f"hydra.run.dir: {run_dir} holds a run made with other settings ({describe(diff)}); "
+        f"allowed: the same settings to resume it, trainer.extend=true to continue it with these "
+        f"(recorded in {HISTORY}), or a new hydra.run.dir"
+    )
+
+
+def check_run_folder(run_dir: Path, cfg: Any) -> None:
+    """Before anything starts (W&B, models): refuse a resume with other settings unless
+    ``trainer.extend`` (reads the newest checkpoint's loop state only; the trainer checks the
+    checkpoint it actually loads again)."""
+    from opd_exp.runtime import checkpoint
+    from opd_exp.runtime.errors import ConfigError
+
+    if cfg.trainer.extend:
+        return
+    path = checkpoint.latest(run_dir)
+    if path is None:
+        return
+    try:
+        stored = json.loads((path / "state.json").read_text()).get("config")
+    except (OSError, ValueError):
+        return  # damaged: restore sets it aside and says so
+    line = refusal(Path(run_dir), stored, config_fingerprint(cfg)) if isinstance(stored, dict) else None
+    if line:
+        raise ConfigError(line)

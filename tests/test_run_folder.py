@@ -1,0 +1,95 @@
+"""Trusting a run folder: settings fingerprinted in every checkpoint, a resume with other
+settings refused (naming the keys) unless trainer.extend=true, which keeps the learning rate
+continuous and records each session in history.yaml; train.log keeps the console lines."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from helpers.tiny import AddTask, small_config
+from opd_exp.runtime import checkpoint
+from opd_exp.runtime.errors import ConfigError
+from opd_exp.runtime.fingerprint import config_fingerprint, read_history
+from opd_exp.training.trainer import Trainer
+
+LR = 1e-2
+
+
+def _cfg(**trainer):
+    return small_config(trainer=dict(dict(max_steps=4, save_every=2, schedule="linear", warmup_steps=0, lr=LR), **trainer))
+
+
+def _rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _lrs(run_dir):
+    return {r["step"]: r["lr"] for r in _rows(run_dir) if "lr" in r}
+
+
+def test_fingerprint_leaves_out_what_does_not_shape_the_run():
+    a = config_fingerprint(_cfg())
+    assert a["trainer.max_steps"] == 4 and a["divergence.name"] == "fkl" and a["trainer.lr"] == LR
+    assert not any(k.startswith("logger.") for k in a)
+    for key in ("trainer.progress", "trainer.device", "trainer.eval_every", "trainer.extend", "trainer.save_every"):
+        assert key not in a
+    assert config_fingerprint(_cfg(eval_every=7, progress=True, save_every=1)) == a
+    assert config_fingerprint(_cfg(max_steps=5)) != a
+
+
+def test_resume_with_other_settings_is_refused_naming_the_keys(tiny_pair, tmp_path, capsys):
+    Trainer(_cfg(), tmp_path, pair=tiny_pair, task=AddTask()).run(stop_after=2)
+    with pytest.raises(ConfigError) as ex:
+        Trainer(_cfg(max_steps=8, lr=2e-2), tmp_path, pair=tiny_pair, task=AddTask()).run()
+    msg = str(ex.value)
+    assert "\n" not in msg
+    assert msg.startswith(
+        f"hydra.run.dir: {tmp_path} holds a run made with other settings (trainer.lr: 0.01 -> 0.02, trainer.max_steps: 4 -> 8)"
+    )
+    assert "allowed: the same settings to resume it, trainer.extend=true" in msg
+    # nothing was written by the refused session
+    assert max(r["step"] for r in _rows(tmp_path)) == 2
+    # the same settings resume, and say so
+    capsys.readouterr()
+    Trainer(_cfg(), tmp_path, pair=tiny_pair, task=AddTask()).run()
+    err = capsys.readouterr().err
+    ckpt = checkpoint.checkpoint_root(tmp_path) / "step_000002"
+    assert f"opd-train: resuming from step 2 (checkpoint {ckpt})" in err
+    log = (tmp_path / "train.log").read_text()
+    assert f"opd-train: resuming from step 2 (checkpoint {ckpt})" in log
+    assert "opd-train: student eval accuracy" in log and "summary: {" in log
+    assert [h["session"] for h in read_history(tmp_path)] == ["start", "resume"]
+
+
+def test_extend_keeps_the_learning_rate_continuous_and_records_the_session(tiny_pair, tmp_path, capsys):
+    Trainer(_cfg(), tmp_path, pair=tiny_pair, task=AddTask()).run(stop_after=2)
+    before = _lrs(tmp_path)
+    # linear over 4 steps: the lr before step s is LR * (1 - (s-1)/4)
+    assert before == pytest.approx({1: LR, 2: 0.75 * LR})
+    capsys.readouterr()
+    Trainer(_cfg(max_steps=8, extend=True), tmp_path, pair=tiny_pair, task=AddTask()).run()
+    err = capsys.readouterr().err
+    assert "opd-train: extending the run from step 2 with other settings (trainer.max_steps: 4 -> 8)" in err
+    assert "the learning rate continues from 0.005 to the end of the linear schedule at step 8" in err
+    lrs = _lrs(tmp_path)
+    # from the checkpoint's factor 0.5 at step 2, linearly to 0 at step 8 (no jump to 0.75)
+    want = {s: 0.5 * LR * (1 - (s - 3) / 6) for s in range(3, 9)}
+    assert {s: lrs[s] for s in range(3, 9)} == pytest.approx(want)
+    history = read_history(tmp_path)
+    assert [h["session"] for h in history] == ["start", "extend"]
+    assert history[1]["from_step"] == 2 and history[1]["changed"] == {"trainer.max_steps": [4, 8]}
+    # the extension's checkpoints carry the new settings: a plain resume with them is fine
+    state = json.loads((checkpoint.latest(tmp_path) / "state.json").read_text())
+    assert state["config"]["trainer.max_steps"] == 8 and state["lr_segments"] == [{"start": 2, "factor": 0.5, "end": 8}]
+    Trainer(_cfg(max_steps=8), tmp_path, pair=tiny_pair, task=AddTask()).run()
+
+
+def test_eval_size_larger_than_the_eval_split_is_refused(tiny_pair, tmp_path):
+    with pytest.raises(ConfigError) as ex:
+        Trainer(_cfg(eval_size=100), tmp_path, pair=tiny_pair, task=AddTask(n_eval=16))
+    assert str(ex.value) == (
+        "trainer.eval_size=100 is more than the 16 eval problems of task 'arithmetic'; "
+        "allowed: 0 (the whole split) up to 16, or a larger task.n_eval"
+    )
