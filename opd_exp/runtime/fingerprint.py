@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from opd_exp.runtime.secrets import plain_config, scrub
+from opd_exp.runtime.secrets import plain_config, scrub, scrub_text
 
 HISTORY = "history.yaml"
 
@@ -80,7 +80,8 @@ def append_history(run_dir: Path, entry: dict[str, Any]) -> None:
     import yaml
 
     entry = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), **scrub(entry)}
-    text = yaml.safe_dump([entry], sort_keys=False, default_flow_style=False, width=200)
+    # the overrides are a command line: redacted like .hydra/ (token shapes, labels, env values)
+    text = scrub_text(yaml.safe_dump([entry], sort_keys=False, default_flow_style=False, width=200))
     with open(Path(run_dir) / HISTORY, "a", encoding="utf-8") as f:
         f.write(text)
 
