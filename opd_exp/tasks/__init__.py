@@ -18,6 +18,10 @@ def build_task(task_cfg: Any = None) -> Task:
         from opd_exp.tasks.arithmetic import ArithmeticTask
 
         return ArithmeticTask(cfg)
+    if cfg.name == "chat_arithmetic":
+        from opd_exp.tasks.chat_arithmetic import ChatArithmeticTask
+
+        return ChatArithmeticTask(cfg)
     from opd_exp.tasks.gsm8k import GSM8KTask  # TaskConfig already rejected unknown names
 
     return GSM8KTask(cfg)
