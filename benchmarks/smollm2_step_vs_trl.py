@@ -221,7 +221,20 @@ def run_worker(impl: str, steps: int, batch: int, max_new: int) -> dict:
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
-    cmd = [sys.executable, __file__, "--worker", impl, "--steps", str(steps), "--batch", str(batch), "--max-new", str(max_new), "--out", out]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--worker",
+        impl,
+        "--steps",
+        str(steps),
+        "--batch",
+        str(batch),
+        "--max-new",
+        str(max_new),
+        "--out",
+        out,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{impl} worker failed:\n{proc.stderr[-3000:]}")

@@ -201,4 +201,3 @@ def prepare_smollm2(pair: SmolLM2PairConfig | None = None, *, force: bool = Fals
     student = cache.get_or_build("smollm2-student", keys["student"], lambda tmp: _build_student(tmp, teacher, pair))
     info = {role: cache.read_manifest(folder).get("info", {}) for role, folder in (("teacher", teacher), ("student", student))}
     return PreparedSmolLM2(teacher=teacher, student=student, info=info)
-
