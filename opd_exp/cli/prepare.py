@@ -45,8 +45,8 @@ def _parse_overrides(overrides: Sequence[str]) -> tuple[ModelPairConfig, TaskCon
             dotted.append(item)
         else:
             raise ConfigError(
-                f"override: got {item!r}; allowed: model_pair=<option>, task=<option>, or key=value with a key under "
-                f"model_pair. or task. (e.g. model_pair.embedded.teacher.sft_steps=100)"
+                f"override: got {item!r}; allowed: key=value with a key under model_pair. or task. "
+                f"(e.g. model_pair.embedded.teacher.sft_steps=100), or model_pair=<option> / task=<option> (e.g. model_pair=smollm2)"
             )
     try:
         merged = OmegaConf.merge(base, groups, OmegaConf.from_dotlist(dotted))

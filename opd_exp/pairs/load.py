@@ -68,13 +68,13 @@ def resolve_pair(pair_cfg: Any, task_cfg: Any = None, *, progress: bool = True) 
                 embedded = prepare_embedded(cfg.embedded, task_cfg, progress=progress)
             out.append(str(getattr(embedded, role)))
         elif value.startswith(SMOLLM2_PREFIX):
-            from opd_exp.pairs import smollm2 as real
+            from opd_exp.pairs.smollm2 import ROLES, prepare_smollm2
 
             role = value[len(SMOLLM2_PREFIX) :]
-            if role not in real.ROLES:
+            if role not in ROLES:
                 raise ConfigError(f"model_pair.{key}: got {value!r}; allowed: 'smollm2:student', 'smollm2:teacher', or {ALLOWED_MODEL}")
             if smollm2 is None:
-                smollm2 = real.prepare_smollm2(cfg.smollm2)
+                smollm2 = prepare_smollm2(cfg.smollm2)
             out.append(str(getattr(smollm2, role)))
         else:
             out.append(_locate(f"model_pair.{key}", value))
