@@ -124,7 +124,8 @@ def _build_teacher(folder: Path, source: Path) -> dict:
 
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-    loaded = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32)
+    # GGUF tensors are read by the gguf package (no unpickling); use_safetensors keeps any .bin fallback off
+    loaded = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name, dtype=torch.float32, use_safetensors=True)
     config = loaded.config.to_dict()
     config.pop("quantization_config", None)
     config = type(loaded.config).from_dict(config)
