@@ -138,7 +138,7 @@ def test_unknown_names_list_the_registered_ones(tmp_path):
     for args, needle in (
         (["divergence=nope"], "divergence=nope: no such option; allowed: fkl, jeffreys, jsd, rkl, skl, srkl, tvd"),
         (["divergence.name=nope"], "expected one of [rkl, fkl, jsd, skl, srkl, tvd, jeffreys]"),
-        (["task.name=nope"], "task.name: got 'nope'; allowed: arithmetic | gsm8k | qa_jsonl"),
+        (["task.name=nope"], "task.name: got 'nope'; allowed: arithmetic | gsm8k | chat_arithmetic | qa_jsonl"),
     ):
         res = subprocess.run(
             [sys.executable, "-m", "opd_exp.cli.train", *args, "logger=none", f"hydra.run.dir={tmp_path}/run"],

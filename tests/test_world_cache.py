@@ -12,7 +12,6 @@ from opd_exp.cli.prepare import main as prepare_main
 from opd_exp.config.world import EmbeddedModelConfig, EmbeddedPairConfig, TaskConfig
 from opd_exp.pairs.embedded import cache, prepare
 from opd_exp.pairs.embedded.prepare import prepare_embedded
-from opd_exp.tasks.arithmetic import ArithmeticTask
 
 
 def test_cache_root_precedence(monkeypatch, tmp_path):

@@ -1,4 +1,6 @@
-"""``opd-prepare``: build (or check) the cached embedded teacher/student pair and report it."""
+"""``opd-prepare``: build (or check) a cached teacher/student pair and report it: the embedded
+pair by default, the SmolLM2 pair with ``model_pair=smollm2`` (any pair whose models are
+``smollm2:...``)."""
 
 from __future__ import annotations
 
@@ -7,11 +9,26 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from opd_exp.config.world import ModelPairConfig, TaskConfig
 from opd_exp.pairs.embedded import cache
 from opd_exp.pairs.embedded.prepare import prepare_embedded
+from opd_exp.pairs.load import SMOLLM2_PREFIX
 from opd_exp.runtime.errors import ConfigError, first_line
+
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+
+def _group_option(group: str, option: str) -> dict:
+    """The keys a config-group option (``conf/<group>/<option>.yaml``) sets."""
+    from omegaconf import OmegaConf
+
+    path = CONF_DIR / group / f"{option}.yaml"
+    if not path.is_file():
+        allowed = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+        raise ConfigError(f"{group}: no option {option!r}; allowed: {', '.join(allowed)}")
+    return OmegaConf.to_container(OmegaConf.load(path))
 
 
 def _parse_overrides(overrides: Sequence[str]) -> tuple[ModelPairConfig, TaskConfig]:
@@ -19,13 +36,20 @@ def _parse_overrides(overrides: Sequence[str]) -> tuple[ModelPairConfig, TaskCon
     from omegaconf.errors import OmegaConfBaseException
 
     base = OmegaConf.structured({"model_pair": ModelPairConfig(), "task": TaskConfig()})
+    groups, dotted = {}, []
     for item in overrides:
-        if "=" not in item or not item.split("=", 1)[0].startswith(("model_pair.", "task.")):
+        key = item.split("=", 1)[0]
+        if "=" in item and key in ("model_pair", "task"):
+            groups[key] = _group_option(key, item.split("=", 1)[1])
+        elif "=" in item and key.startswith(("model_pair.", "task.")):
+            dotted.append(item)
+        else:
             raise ConfigError(
-                f"override: got {item!r}; allowed: key=value with a key under model_pair. or task. (e.g. model_pair.embedded.teacher.sft_steps=100)"
+                f"override: got {item!r}; allowed: key=value with a key under model_pair. or task. "
+                f"(e.g. model_pair.embedded.teacher.sft_steps=100), or model_pair=<option> / task=<option> (e.g. model_pair=smollm2)"
             )
     try:
-        merged = OmegaConf.merge(base, OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(base, groups, OmegaConf.from_dotlist(dotted))
         obj = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         raise ConfigError(f"override: {first_line(exc)}") from None
@@ -33,8 +57,8 @@ def _parse_overrides(overrides: Sequence[str]) -> tuple[ModelPairConfig, TaskCon
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``opd-prepare [--force] [--quiet] [model_pair.embedded.x=... task.x=...]``"""
-    parser = argparse.ArgumentParser(prog="opd-prepare", description="Build (or check) the cached embedded teacher/student pair.")
+    """``opd-prepare [--force] [--quiet] [model_pair=smollm2] [model_pair.embedded.x=... task.x=...]``"""
+    parser = argparse.ArgumentParser(prog="opd-prepare", description="Build (or check) a cached teacher/student pair.")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. model_pair.embedded.teacher.sft_steps=100 task.max_digits=2")
     parser.add_argument("--force", action="store_true", help="discard the cached entries and rebuild them")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
@@ -43,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         pair_cfg, task_cfg = _parse_overrides(args.overrides)
         started = time.perf_counter()
+        if any(v.startswith(SMOLLM2_PREFIX) for v in (pair_cfg.student, pair_cfg.teacher)):
+            return _prepare_smollm2(pair_cfg, force=args.force, started=started)
         prepared = prepare_embedded(pair_cfg.embedded, task_cfg, progress=not args.quiet, force=args.force)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -56,6 +82,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"  params={i.get('params')} greedy accuracy={i.get('accuracy'):.3f} "
             f"format_rate={i.get('format_rate'):.3f} (n={i.get('n_check')}) sft_seconds={i.get('sft_seconds')}"
         )
+    return 0
+
+
+def _prepare_smollm2(pair_cfg: ModelPairConfig, *, force: bool, started: float) -> int:
+    from opd_exp.pairs.smollm2 import prepare_smollm2
+
+    prepared = prepare_smollm2(pair_cfg.smollm2, force=force)
+    print(f"cache: {cache.cache_root()}  ({time.perf_counter() - started:.1f} s)")
+    for role in ("teacher", "student"):
+        i = prepared.info[role]
+        layers = f"layers={i.get('layers')}" + (f" kept={i['kept_layers']}" if "kept_layers" in i else "")
+        print(f"{role}: {getattr(prepared, role)}\n  params={i.get('params')} {layers} built_seconds={i.get('seconds')}")
     return 0
 
 

@@ -14,7 +14,7 @@ from opd_exp.runtime.errors import ConfigError
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 # Task names the config accepts: the built-ins, then any added with ``opd_exp.tasks.register_task``
 # (which appends here; tasks depend on config, never the reverse).
-TASKS: list[str] = ["arithmetic", "gsm8k"]
+TASKS: list[str] = ["arithmetic", "gsm8k", "chat_arithmetic"]
 
 
 def add_task_name(name: str) -> None:
@@ -91,16 +91,32 @@ class EmbeddedPairConfig:
 
 
 @dataclass
+class SmolLM2PairConfig:
+    """How the SmolLM2 pair (``smollm2:teacher`` / ``smollm2:student``) is built; part of the cache key."""
+
+    keep_every: int = 3  # the student keeps decoder layers 0, k, 2k, ... and the last (k=3: 11 of 30)
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.keep_every, int) and self.keep_every >= 1,
+            "model_pair.smollm2.keep_every",
+            self.keep_every,
+            "an integer >= 1 (1 = keep every layer)",
+        )
+
+
+@dataclass
 class ModelPairConfig:
     """Which teacher distils into which student, and how they are loaded."""
 
     name: str = "embedded"  # label for logs and W&B
-    student: str = "embedded:student"  # hub id, local folder, or "embedded:student"
-    teacher: str = "embedded:teacher"  # hub id, local folder, or "embedded:teacher"
+    student: str = "embedded:student"  # hub id, local folder, "embedded:student" or "smollm2:student"
+    teacher: str = "embedded:teacher"  # hub id, local folder, "embedded:teacher" or "smollm2:teacher"
     tokenizer: str | None = None  # hub id or folder of the shared tokenizer; default: the student's
     dtype: str = "float32"  # weights dtype: float32 | bfloat16 | float16 | auto (as saved)
     trust_remote_code: bool = False  # allow models whose code lives in their repo (auto_map)
     embedded: EmbeddedPairConfig = field(default_factory=EmbeddedPairConfig)  # the embedded pair's recipe (cache key)
+    smollm2: SmolLM2PairConfig = field(default_factory=SmolLM2PairConfig)  # the SmolLM2 pair's pruning recipe (cache key)
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "model_pair.dtype", self.dtype, " | ".join(DTYPES))
@@ -111,7 +127,7 @@ class ModelPairConfig:
                 isinstance(v, str) and v.strip() not in ("", "???"),
                 f"model_pair.{key}",
                 v,
-                "a hub id, a local folder or 'embedded:student' / 'embedded:teacher' (set it on the command line)",
+                "a hub id, a local folder, 'embedded:student' / 'embedded:teacher' or 'smollm2:student' / 'smollm2:teacher' (set it on the command line)",
             )
 
 
@@ -119,7 +135,7 @@ class ModelPairConfig:
 class TaskConfig:
     """Which problems the student learns on and is evaluated on."""
 
-    name: str = "arithmetic"  # arithmetic (embedded, synthetic) | gsm8k | a registered task (docs/extending.md)
+    name: str = "arithmetic"  # arithmetic (embedded, synthetic) | gsm8k | chat_arithmetic (questions through the chat template) | a registered task (docs/extending.md)
     seed: int = 0  # draws the training problems (arithmetic) / their order
     n_train: int = 20000  # training problems (gsm8k: 0 = all available)
     n_eval: int = 200  # eval problems, fixed and disjoint from train (gsm8k: 0 = all)
@@ -140,9 +156,9 @@ class TaskConfig:
         _check(self.name in TASKS, "task.name", self.name, " | ".join(TASKS))
         _check(isinstance(self.n_train, int) and self.n_train >= 0, "task.n_train", self.n_train, "an integer >= 0")
         _check(isinstance(self.n_eval, int) and self.n_eval >= 0, "task.n_eval", self.n_eval, "an integer >= 0")
-        if self.name == "arithmetic":
-            _check(self.n_train >= 1, "task.n_train", self.n_train, "an integer >= 1 for arithmetic")
-            _check(self.n_eval >= 1, "task.n_eval", self.n_eval, "an integer >= 1 for arithmetic")
+        if self.name in ("arithmetic", "chat_arithmetic"):
+            _check(self.n_train >= 1, "task.n_train", self.n_train, f"an integer >= 1 for {self.name}")
+            _check(self.n_eval >= 1, "task.n_eval", self.n_eval, f"an integer >= 1 for {self.name}")
             _check(isinstance(self.min_operands, int) and self.min_operands >= 2, "task.min_operands", self.min_operands, "an integer >= 2")
             _check(
                 isinstance(self.max_operands, int) and self.min_operands <= self.max_operands <= 8,

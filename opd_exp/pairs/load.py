@@ -26,7 +26,11 @@ PROBE_TEXT = (
     "Natalia sold 48 clips in April, and half as many in May. 48/2=24; 48+24=72\n"
     "#### 72\n  if (x_1 >= 3.5) { y = [a, b]; }\t-- café, naïve, 日本語, 😀 <tag> ~!@#$%^&*()"
 )
-ALLOWED_MODEL = "a hub id (e.g. 'Qwen/Qwen2.5-1.5B-Instruct'), an existing local folder, or 'embedded:student' / 'embedded:teacher'"
+SMOLLM2_PREFIX = "smollm2:"
+ALLOWED_MODEL = (
+    "a hub id (e.g. 'Qwen/Qwen2.5-1.5B-Instruct'), an existing local folder, 'embedded:student' / 'embedded:teacher', "
+    "or 'smollm2:student' / 'smollm2:teacher'"
+)
 
 
 def _looks_like_path(value: str) -> bool:
@@ -47,11 +51,11 @@ def _locate(key: str, value: str) -> str:
 
 
 def resolve_pair(pair_cfg: Any, task_cfg: Any = None, *, progress: bool = True) -> tuple[str, str]:
-    """(student_path, teacher_path): cache folders for embedded models (prepared on first use),
-    local folders as absolute paths, hub ids unchanged."""
+    """(student_path, teacher_path): cache folders for embedded and SmolLM2 models (prepared on
+    first use), local folders as absolute paths, hub ids unchanged."""
     cfg = as_pair_config(pair_cfg)
     out = []
-    embedded = None
+    embedded = smollm2 = None
     for key in ("student", "teacher"):
         value = getattr(cfg, key)
         if value.startswith(EMBEDDED_PREFIX):
@@ -63,6 +67,15 @@ def resolve_pair(pair_cfg: Any, task_cfg: Any = None, *, progress: bool = True) 
 
                 embedded = prepare_embedded(cfg.embedded, task_cfg, progress=progress)
             out.append(str(getattr(embedded, role)))
+        elif value.startswith(SMOLLM2_PREFIX):
+            from opd_exp.pairs.smollm2 import ROLES, prepare_smollm2
+
+            role = value[len(SMOLLM2_PREFIX) :]
+            if role not in ROLES:
+                raise ConfigError(f"model_pair.{key}: got {value!r}; allowed: 'smollm2:student', 'smollm2:teacher', or {ALLOWED_MODEL}")
+            if smollm2 is None:
+                smollm2 = prepare_smollm2(cfg.smollm2)
+            out.append(str(getattr(smollm2, role)))
         else:
             out.append(_locate(f"model_pair.{key}", value))
     return out[0], out[1]

@@ -54,8 +54,15 @@ def _gsm8k(cfg):
     return GSM8KTask(cfg)
 
 
+def _chat_arithmetic(cfg):
+    from opd_exp.tasks.chat_arithmetic import ChatArithmeticTask
+
+    return ChatArithmeticTask(cfg)
+
+
 register_task("arithmetic", _arithmetic)
 register_task("gsm8k", _gsm8k)
+register_task("chat_arithmetic", _chat_arithmetic)
 
 
 def build_task(task_cfg: Any = None) -> Task:
