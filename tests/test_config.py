@@ -21,6 +21,7 @@ GROUPS = ("divergence", "estimator", "loss", "rollout", "trainer", "logger")
 NEEDS = {
     ("loss", "ppo"): ["estimator=sampled"],
     ("estimator", "sampled"): ["loss=reinforce"],
+    ("divergence", "jsd_legacy"): ["estimator=sampled", "loss=ppo"],
 }
 
 

@@ -306,8 +306,8 @@ def test_renormalised_topk_is_biased():
 
 
 def test_names_and_errors():
-    assert DIVERGENCES == ("rkl", "fkl", "jsd", "skl", "srkl", "tvd")
-    with pytest.raises(ValueError, match=r"unknown divergence 'kl'; allowed: rkl, fkl, jsd, skl, srkl, tvd"):
+    assert DIVERGENCES == ("rkl", "fkl", "jsd", "skl", "srkl", "tvd", "jsd_legacy")
+    with pytest.raises(ValueError, match=r"unknown divergence 'kl'; allowed: rkl, fkl, jsd, skl, srkl, tvd, jsd_legacy"):
         get_divergence("kl")
     with pytest.raises(ValueError, match=r"beta=1\.5 is out of range; allowed: 0 <= beta <= 1"):
         get_divergence("jsd", beta=1.5)

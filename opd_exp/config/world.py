@@ -12,7 +12,7 @@ from typing import Any
 from opd_exp.runtime.errors import ConfigError
 
 DTYPES = ("float32", "bfloat16", "float16", "auto")
-TASKS = ("arithmetic", "gsm8k")
+TASKS = ("arithmetic", "gsm8k", "multimodal")
 
 
 def _check(ok: bool, key: str, value: object, allowed: str) -> None:
@@ -112,7 +112,7 @@ class ModelPairConfig:
 class TaskConfig:
     """Which problems the student learns on and is evaluated on."""
 
-    name: str = "arithmetic"  # arithmetic (embedded, synthetic) | gsm8k
+    name: str = "arithmetic"  # arithmetic (embedded, synthetic) | gsm8k | multimodal (embedded, several answers per prompt)
     seed: int = 0  # draws the training problems (arithmetic) / their order
     n_train: int = 20000  # training problems (gsm8k: 0 = all available)
     n_eval: int = 200  # eval problems, fixed and disjoint from train (gsm8k: 0 = all)
@@ -122,6 +122,9 @@ class TaskConfig:
     max_operands: int = 3  # most numbers per expression
     max_digits: int = 2  # operands have 1..max_digits digits
     ops: str = "+-"  # operators drawn from, a subset of "+-*"
+    # multimodal knobs: how many valid answers a prompt has
+    min_answers: int = 2  # fewest valid answers per prompt (>= 1)
+    max_answers: int = 6  # most valid answers per prompt
     # gsm8k
     path: str | None = None  # local .jsonl/.parquet file or folder, hub id (needs `datasets`), or "embedded:gsm8k_mini"
     hub_config: str = "main"  # dataset config name on the hub (openai/gsm8k has "main" and "socratic")
@@ -151,6 +154,16 @@ class TaskConfig:
                 "task.ops",
                 self.ops,
                 "a non-empty subset of '+-*', e.g. '+-'",
+            )
+        if self.name == "multimodal":
+            _check(self.n_train >= 1, "task.n_train", self.n_train, "an integer >= 1 for multimodal")
+            _check(self.n_eval >= 1, "task.n_eval", self.n_eval, "an integer >= 1 for multimodal")
+            _check(isinstance(self.min_answers, int) and self.min_answers >= 1, "task.min_answers", self.min_answers, "an integer >= 1")
+            _check(
+                isinstance(self.max_answers, int) and self.min_answers <= self.max_answers <= 10,
+                "task.max_answers",
+                self.max_answers,
+                f"an integer in [min_answers={self.min_answers}, 10]",
             )
         if self.name == "gsm8k":
             _check(

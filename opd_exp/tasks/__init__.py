@@ -18,6 +18,10 @@ def build_task(task_cfg: Any = None) -> Task:
         from opd_exp.tasks.arithmetic import ArithmeticTask
 
         return ArithmeticTask(cfg)
+    if cfg.name == "multimodal":
+        from opd_exp.tasks.multimodal import MultimodalTask
+
+        return MultimodalTask(cfg)
     from opd_exp.tasks.gsm8k import GSM8KTask  # TaskConfig already rejected unknown names
 
     return GSM8KTask(cfg)

@@ -40,6 +40,20 @@ TOKEN_METRICS = (
 )
 
 
+def position_mask(mask: torch.Tensor, positions: str, fraction: float) -> torch.Tensor:
+    """The response positions that count in the loss: ``all`` of them, or the ``first`` /
+    ``last`` ceil(fraction * L) of each row's L response tokens (``mask`` is [N, R], a prefix
+    of each row)."""
+    m = mask.bool()
+    if positions == "all":
+        return m
+    length = m.sum(-1, keepdim=True)
+    n = torch.ceil(fraction * length.to(torch.float64)).to(length.dtype)
+    index = torch.cumsum(m.long(), -1) - 1  # 0-based index among the row's response tokens
+    keep = index < n if positions == "first" else index >= length - n
+    return m & keep
+
+
 @dataclass
 class Output:
     loss: torch.Tensor  # differentiable scalar (already divided by the normalizer)
@@ -47,8 +61,8 @@ class Output:
 
 
 def metric_beta(cfg: TrainConfig) -> float:
-    """`jsd/mean` is at the configured beta for jsd, and at 0.5 for every other divergence."""
-    return cfg.divergence.beta if cfg.divergence.name.value == "jsd" else 0.5
+    """`jsd/mean` is at the configured beta for jsd (and jsd_legacy), and at 0.5 for every other divergence."""
+    return cfg.divergence.beta if cfg.divergence.name.value in ("jsd", "jsd_legacy") else 0.5
 
 
 class Objective:
@@ -86,7 +100,8 @@ class Objective:
         else:
             per_token, advantages = self._on_policy(student_z, teacher_z, response_ids, m, s, t)
 
-        loss = torch.where(m, per_token, zero).sum() / max(float(normalizer), 1.0)
+        counted = position_mask(m, cfg.loss.positions.value, cfg.loss.position_fraction)
+        loss = torch.where(counted, per_token, zero).sum() / max(float(normalizer), 1.0)
 
         with torch.no_grad():
             if on_policy:  # unbiased single-sample estimates under y ~ S
