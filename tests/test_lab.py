@@ -217,8 +217,8 @@ def test_multimodal_answers_are_exactly_the_valid_ones():
         family, k, _, rng_text = p.prompt.split()
         lo, hi = (int(x) for x in rng_text.rstrip("?").split("-"))
         k = int(k)
-        ok = (lambda x: x % k == 0) if family == "mul" else (lambda x: sum(map(int, str(x))) == k)
-        want = [str(x) for x in range(lo, hi + 1) if ok(x)]  # brute force over the range
+        # brute force over the range
+        want = [str(x) for x in range(lo, hi + 1) if (x % k == 0 if family == "mul" else sum(map(int, str(x))) == k)]
         assert list(p.answers) == want
         assert spec.min_answers <= len(want) <= spec.max_answers
         assert p.solution.removeprefix("#### ") in want
