@@ -104,7 +104,7 @@ def _cli(*args, tmp_path):
     "args,needle",
     [
         (["divergence=jsd", "divergence.beta=1.5"], "divergence.beta=1.5"),
-        (["divergence=nope"], "divergence=nope: no such option; allowed: fkl, jsd, rkl, skl, srkl, tvd"),
+        (["divergence=nope"], "divergence=nope: no such option; allowed: fkl, jsd, jsd_legacy, rkl, skl, srkl, tvd"),
         (["trainer.nope=1"], "trainer.nope"),
         (["trainer.lr=abc"], "trainer.lr"),
         (["divergence.name=nope"], "nope"),

@@ -1,0 +1,136 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # The lab: the field's claims, reproduced on the embedded worlds
+#
+# Reads the lab sweeps' folders (`multirun/lab_<claim>/<model_pair>/`, written by
+# `opd-train -m sweep=lab_<claim>`), prints per claim the table of final eval values
+# (mean ± 95% CI over seeds, Student's t), and draws the eval curves with the seeds as a band
+# into `docs/results/lab_<claim>.png`. A sweep whose folder is missing is skipped.
+#
+# `OPD_LAB_ROOT` (default: `multirun`, or `../multirun` from `notebooks/`) is where the sweep
+# folders live; `OPD_LAB_FIGURES` (default: `docs/results`) where the figures go
+# (empty: do not save).
+
+# %%
+import math
+import os
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+from IPython.display import Markdown, display
+
+from opd_exp.analysis import group_by_variant, load_runs
+from opd_exp.analysis.runs import curve
+
+ROOT = Path(os.environ.get("OPD_LAB_ROOT") or ("multirun" if Path("multirun").exists() else "../multirun"))
+FIGURES = os.environ.get("OPD_LAB_FIGURES", "docs/results" if Path("docs").exists() else "../docs/results")
+
+# claim -> (metrics of its table and figure, short label of a variant from its overrides)
+CLAIMS = {
+    "lab_kl_direction": [
+        "eval/precision",
+        "eval/coverage",
+        "eval/entropy",
+        "eval/pass@k",
+        "eval/accuracy",
+        "eval/kl_reverse",
+        "eval/kl_forward",
+    ],
+    "lab_legacy_jsd": ["eval/jsd", "eval/kl_reverse", "eval/kl_forward", "eval/precision", "eval/accuracy"],
+    "lab_on_policy": ["eval/accuracy", "eval/precision", "eval/kl_reverse", "eval/kl_forward", "eval/jsd"],
+    "lab_prefix_x_kl": ["eval/accuracy", "eval/precision", "eval/kl_reverse", "eval/kl_forward"],
+    "lab_token_fraction": ["eval/accuracy", "eval/precision", "eval/kl_reverse", "eval/kl_forward"],
+}
+# two-sided 95% Student's t quantiles by degrees of freedom
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def ci95(values):
+    """(mean, half-width of the 95% CI, n) over the finite values."""
+    xs = [v for v in values if v is not None and math.isfinite(v)]
+    if not xs:
+        return math.nan, math.nan, 0
+    m = sum(xs) / len(xs)
+    if len(xs) == 1:
+        return m, math.nan, 1
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    return m, T95.get(len(xs) - 1, 1.96) * sd / math.sqrt(len(xs)), len(xs)
+
+
+def fmt(stat, digits=3):
+    m, h, n = stat
+    if n == 0:
+        return "—"
+    return f"{m:.{digits}f}" if not math.isfinite(h) else f"{m:.{digits}f} ± {h:.{digits}f}"
+
+
+def folder(claim):
+    found = sorted(p for p in (ROOT / claim).glob("*") if p.is_dir()) if (ROOT / claim).is_dir() else []
+    return found[0] if found else None
+
+
+def table(runs, metrics):
+    groups = group_by_variant(runs)
+    head = ["variant", "seeds", *[f"{m} (step {max(r.steps(m)[-1] for r in runs if r.steps(m))})" for m in metrics]]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for variant, rs in groups.items():
+        seeds = ",".join(str(r.seed) for r in rs)
+        lines.append("| " + " | ".join([variant, seeds, *[fmt(ci95(r.final(m) for r in rs)) for m in metrics]]) + " |")
+    return "\n".join(lines)
+
+
+def figure(runs, metrics, title):
+    groups = group_by_variant(runs)
+    n = len(metrics)
+    cols = min(n, 3)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.3 * rows), squeeze=False)
+    for ax, metric in zip(axes.flat, metrics):
+        for variant, rs in groups.items():
+            c = curve(rs, metric)
+            if not c["step"]:
+                continue
+            (line,) = ax.plot(c["step"], c["mean"], marker="o", ms=3, label=variant)
+            ax.fill_between(c["step"], c["min"], c["max"], color=line.get_color(), alpha=0.18, lw=0)
+        ax.set_title(metric, fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=9, frameon=False)
+    fig.suptitle(f"{title}: mean over seeds, band = min..max over seeds", fontsize=11)
+    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
+    return fig
+
+
+# %% [markdown]
+# ## Every claim: table and curves
+
+# %%
+for claim, metrics in CLAIMS.items():
+    where = folder(claim)
+    if where is None:
+        print(f"{claim}: no runs under {ROOT / claim} (run `opd-train -m sweep={claim}`)")
+        continue
+    runs = load_runs(where)
+    display(Markdown(f"### {claim}\n`{where}`: {len(runs)} jobs\n\n" + table(runs, metrics)))
+    fig = figure(runs, metrics, claim)
+    if FIGURES:
+        Path(FIGURES).mkdir(parents=True, exist_ok=True)
+        fig.savefig(Path(FIGURES) / f"{claim}.png", dpi=110)
+    plt.show()
