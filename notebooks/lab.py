@@ -83,9 +83,14 @@ def folder(claim):
     return found[0] if found else None
 
 
+def present(runs, metrics):
+    """The metrics some run logged (a sweep without eval samples has no eval/precision)."""
+    return [m for m in metrics if any(r.steps(m) for r in runs)]
+
+
 def table(runs, metrics):
     groups = group_by_variant(runs)
-    head = ["variant", "seeds", *[f"{m} (step {max(r.steps(m)[-1] for r in runs if r.steps(m))})" for m in metrics]]
+    head = ["variant", "seeds", *metrics]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for variant, rs in groups.items():
         seeds = ",".join(str(r.seed) for r in rs)
@@ -128,7 +133,10 @@ for claim, metrics in CLAIMS.items():
         print(f"{claim}: no runs under {ROOT / claim} (run `opd-train -m sweep={claim}`)")
         continue
     runs = load_runs(where)
-    display(Markdown(f"### {claim}\n`{where}`: {len(runs)} jobs\n\n" + table(runs, metrics)))
+    metrics = present(runs, metrics)
+    last = max(max(r.steps("eval/accuracy"), default=0) for r in runs)
+    head = f"### {claim}\n`{where}`: {len(runs)} jobs; final eval (step {last}), mean ± 95% CI over seeds\n\n"
+    display(Markdown(head + table(runs, metrics)))
     fig = figure(runs, metrics, claim)
     if FIGURES:
         Path(FIGURES).mkdir(parents=True, exist_ok=True)
