@@ -112,7 +112,7 @@ def figure(runs, metrics, title):
             (line,) = ax.plot(c["step"], c["mean"], marker="o", ms=3, label=variant)
             ax.fill_between(c["step"], c["min"], c["max"], color=line.get_color(), alpha=0.18, lw=0)
         lows = [v for line in ax.get_lines() for v in line.get_ydata() if v > 0]
-        if metric.startswith(("eval/kl", "eval/jsd")) and lows and max(lows) > 20 * min(lows):
+        if metric.startswith(("eval/kl", "eval/jsd")) and lows and max(lows) > 8 * min(lows):
             ax.set_yscale("log")  # variants orders of magnitude apart: each stays readable
         ax.set_title(metric + (" (log scale)" if ax.get_yscale() == "log" else ""), fontsize=10)
         ax.set_xlabel("step")
