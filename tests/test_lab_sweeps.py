@@ -46,9 +46,10 @@ def test_lab_sweeps_pick_what_their_claims_need():
         "sampled",
         "ppo",
     )
-    assert _params("lab_token_fraction")["loss.positions"] == ["all", "first", "last"]
-    _, cfg = compose_job(["sweep=lab_token_fraction", "loss.positions=first", "seed=0"])
-    assert cfg.loss.position_fraction == 0.3
+    assert _params("lab_token_fraction")["variant"] == ["positions_all", "positions_first", "positions_last"]
+    for where in ("all", "first", "last"):
+        hc, cfg = compose_job(["sweep=lab_token_fraction", f"variant=positions_{where}", "seed=1"], job_num=4)
+        assert (cfg.loss.positions.value, cfg.loss.position_fraction, hc.sweep.subdir) == (where, 0.3, f"4_positions_{where}_seed1")
 
 
 TINY = [
