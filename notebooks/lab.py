@@ -121,7 +121,9 @@ def figure(runs, metrics, title):
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=9, frameon=False)
-    fig.suptitle(f"{title}: mean over seeds, band = min..max over seeds", fontsize=11)
+    steps = max(max(r.steps("eval/accuracy"), default=0) for r in runs)
+    seeds = sorted({r.seed for r in runs if r.seed is not None})
+    fig.suptitle(f"{title}: {len(runs)} jobs, {steps} steps, seeds {seeds}; mean over seeds, band = min..max", fontsize=11)
     fig.tight_layout(rect=(0, 0.07, 1, 0.95))
     return fig
 
