@@ -64,7 +64,11 @@ cfg("config/max_bad_steps_0", ["trainer.max_bad_steps=0"], "trainer.max_bad_step
 cfg("config/device_unknown", ["trainer.device=tpu"], "trainer.device='tpu' is not allowed; allowed: auto, cpu, cuda, cuda:N, mps")
 cfg("config/unknown_key_plus", ["+foo=1"], "foo: unknown key; allowed:")
 cfg("config/unknown_key_in_group", ["trainer.nope=1"], "trainer.nope")
-cfg("config/unknown_group_option", ["divergence=nope"], "divergence=nope: no such option; allowed: fkl, jsd, jsd_legacy, rkl, skl, srkl, tvd")
+cfg(
+    "config/unknown_group_option",
+    ["divergence=nope"],
+    "divergence=nope: no such option; allowed: fkl, jsd, jsd_legacy, rkl, skl, srkl, tvd",
+)
 cfg("config/wrong_type", ["trainer.lr=abc"], "trainer.lr")
 cfg(
     "config/direct_with_sampled",
