@@ -120,11 +120,12 @@ def figure(runs, metrics, title):
     for ax in list(axes.flat)[n:]:
         ax.axis("off")
     handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=9, frameon=False)
+    per_row = 5 if max(map(len, labels), default=0) < 25 else 2  # long variant names: fewer per row
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), per_row), fontsize=9, frameon=False)
     steps = max(max(r.steps("eval/accuracy"), default=0) for r in runs)
     seeds = sorted({r.seed for r in runs if r.seed is not None})
     fig.suptitle(f"{title}: {len(runs)} jobs, {steps} steps, seeds {seeds}; mean over seeds, band = min..max", fontsize=11)
-    fig.tight_layout(rect=(0, 0.07, 1, 0.95))
+    fig.tight_layout(rect=(0, 0.04 * math.ceil(len(labels) / per_row) + 0.03, 1, 0.95))
     return fig
 
 
