@@ -22,6 +22,7 @@ GROUPS = ("divergence", "estimator", "loss", "rollout", "trainer", "logger")
 NEEDS = {
     ("loss", "ppo"): ["estimator=sampled"],
     ("estimator", "sampled"): ["loss=reinforce"],
+    ("divergence", "jsd_legacy"): ["estimator=sampled", "loss=ppo"],
 }
 
 

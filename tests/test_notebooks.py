@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers.synthetic_runs import write_multirun
+from helpers.synthetic_runs import SEEDS, VARIANTS, metrics_rows, write_multirun, write_run
 
 nbformat = pytest.importorskip("nbformat")
 jupytext = pytest.importorskip("jupytext")
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-NAMES = ("compare_variants", "estimator_check")
+NAMES = ("compare_variants", "estimator_check", "lab")
 
 
 def cells(nb):
@@ -110,3 +110,30 @@ def test_notebook_estimator_check_reproduces_the_seed_table(tmp_path, monkeypatc
     assert "rel_std" in text
     assert images(nb) == 1
     assert seconds < 30
+
+
+def test_notebook_lab_tables_and_figures_from_a_lab_sweep_folder(tmp_path, monkeypatch):
+    """One lab sweep folder of synthetic runs: the table gives mean ± 95% CI (Student's t over
+    3 seeds) and the figure is saved; the other claims, with no folder, are skipped."""
+    pytest.importorskip("nbclient")
+    root = tmp_path / "multirun"
+    job = 0
+    for variant, (acc, jsd) in VARIANTS.items():
+        for seed in SEEDS:
+            write_run(
+                root / "lab_legacy_jsd" / "embedded_multimodal" / f"{job}_seed{seed}",
+                [*variant, f"seed={seed}"],
+                metrics_rows(acc, jsd, seed),
+                seed,
+            )
+            job += 1
+    monkeypatch.setenv("OPD_LAB_ROOT", str(root))
+    monkeypatch.setenv("OPD_LAB_FIGURES", str(tmp_path / "figures"))
+    nb, _ = execute("lab", tmp_path, monkeypatch)
+    text = text_outputs(nb)
+    assert "lab_legacy_jsd" in text and "6 jobs" in text
+    # eval/accuracy of rkl: 0.50, 0.51, 0.52 -> 0.510 ± 4.303 * 0.01 / sqrt(3) = 0.025
+    assert "| divergence=rkl | 0,1,2 |" in text and "0.510 ± 0.025" in text
+    assert "lab_kl_direction: no runs under" in text
+    assert (tmp_path / "figures" / "lab_legacy_jsd.png").is_file()
+    assert images(nb) == 1

@@ -59,7 +59,8 @@ def test_hydra_sweep_composes_its_first_job(path):
     assert params, "a sweep sets hydra.sweeper.params"
     hc, cfg = compose_job([f"sweep={name}", *first_values(params)])
     assert cfg.logger.group == name  # W&B group = the sweep's name
-    assert hc.sweep.dir == f"multirun/{name}/embedded"  # the embedded default: a laptop sweep
+    # an embedded pair (the default, or a lab world's): a laptop sweep
+    assert hc.sweep.dir == f"multirun/{name}/{hc.choices.model_pair}" and hc.choices.model_pair.startswith("embedded")
     sub = hc.sweep.subdir
     assert sub.startswith("0_") and "${" not in sub and "/" not in sub and f"seed{cfg.seed}" in sub
     # each job gets its own folder: the first values of every swept key give the first folder

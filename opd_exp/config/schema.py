@@ -103,6 +103,12 @@ class Credit(Enum):
     sequence = "sequence"
 
 
+class Positions(Enum):
+    all = "all"  # every response token counts in the loss
+    first = "first"  # only each response's first position_fraction of tokens
+    last = "last"  # only each response's last position_fraction of tokens
+
+
 class Schedule(Enum):
     constant = "constant"
     linear = "linear"
@@ -141,6 +147,7 @@ class DivergenceConfig:
     """Which divergence D(S, T) the student lowers, per response position."""
 
     # rkl KL(S||T) | fkl KL(T||S) | jsd | skl KL(T||aT+(1-a)S) | srkl KL(S||aS+(1-a)T) | tvd
+    # | jsd_legacy (jsd with the pre-fix sampled cost: wrong, for reproducing that bug only)
     # | any registered with register_divergence (docs/extending.md)
     name: DivergenceName = DivergenceName.fkl
     # jsd mixing weight, TRL/GKD convention: M = beta*T + (1-beta)*S; beta=0 is fkl, beta=1 is rkl.
@@ -212,11 +219,22 @@ class LossConfig:
     gamma: float = 1.0
     # PPO ratio clip epsilon
     clip_eps: float = 0.2
+    # which response positions count in the loss: all | first | last (ceil(position_fraction *
+    # length) tokens of each response); metrics and the normaliser still cover every token
+    positions: Positions = Positions.all
+    # share of each response's tokens that count with positions=first|last, in (0, 1]
+    position_fraction: float = 0.3
 
     def __post_init__(self) -> None:
         _check(_finite(self.kl_coef) and self.kl_coef > 0, "loss.kl_coef", self.kl_coef, "> 0")
         _check(_finite(self.gamma) and 0.0 <= self.gamma <= 1.0, "loss.gamma", self.gamma, "0 <= gamma <= 1")
         _check(_finite(self.clip_eps) and 0.0 < self.clip_eps < 1.0, "loss.clip_eps", self.clip_eps, "0 < clip_eps < 1")
+        _check(
+            _finite(self.position_fraction) and 0.0 < self.position_fraction <= 1.0,
+            "loss.position_fraction",
+            self.position_fraction,
+            "0 < position_fraction <= 1",
+        )
 
 
 @dataclass
@@ -294,6 +312,9 @@ class TrainerConfig:
     eval_size: int = 0
     # sequences per eval generation batch
     eval_batch_size: int = 128
+    # k temperature-1 samples per eval prompt for eval/precision, eval/pass@k, eval/entropy and
+    # (tasks that list their answers) eval/coverage; 0: off (greedy eval only, the default's cost)
+    eval_samples: int = 0
     # checkpoint every N steps (0: only at the end)
     save_every: int = 250
     # complete checkpoints kept in the run folder
@@ -366,7 +387,7 @@ class TrainerConfig:
             self.grad_clip,
             "a finite number >= 0, the largest gradient norm kept (0 turns clipping off, which is what inf would mean)",
         )
-        for key in ("eval_every", "eval_size", "save_every", "num_threads"):
+        for key in ("eval_every", "eval_size", "save_every", "num_threads", "eval_samples"):
             _check(getattr(self, key) >= 0, f"trainer.{key}", getattr(self, key), "integer >= 0")
         for key in ("eval_batch_size", "keep_checkpoints", "log_every", "max_bad_steps"):
             _check(getattr(self, key) >= 1, f"trainer.{key}", getattr(self, key), "integer >= 1")
@@ -437,6 +458,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         )
     if loss is LossName.direct and cfg.loss.credit is Credit.sequence:
         _fail("loss.credit", cfg.loss.credit.value, "token with loss=direct (sequence credit needs ppo or reinforce)")
+    if cfg.divergence.name is DivergenceName.jsd_legacy:
+        if est is not EstimatorName.sampled:
+            _fail("estimator.name", est.value, "sampled with divergence=jsd_legacy (only its sampled cost differs from jsd)")
+        _check(0.0 < cfg.divergence.beta < 1.0, "divergence.beta", cfg.divergence.beta, "0 < beta < 1 with divergence=jsd_legacy")
     if cfg.divergence.clip is not None and cfg.divergence.name is not DivergenceName.fkl:
         _fail("divergence.clip", cfg.divergence.clip, f"null for divergence={cfg.divergence.name.value} (clip is fkl's)")
     if cfg.divergence.clip is not None and est in (EstimatorName.full, EstimatorName.topk_renorm):

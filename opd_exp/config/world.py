@@ -14,7 +14,7 @@ from opd_exp.runtime.errors import ConfigError
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 # Task names the config accepts: the built-ins, then any added with ``opd_exp.tasks.register_task``
 # (which appends here; tasks depend on config, never the reverse).
-TASKS: list[str] = ["arithmetic", "gsm8k", "chat_arithmetic"]
+TASKS: list[str] = ["arithmetic", "gsm8k", "chat_arithmetic", "multimodal"]
 
 
 def add_task_name(name: str) -> None:
@@ -135,7 +135,7 @@ class ModelPairConfig:
 class TaskConfig:
     """Which problems the student learns on and is evaluated on."""
 
-    name: str = "arithmetic"  # arithmetic (embedded, synthetic) | gsm8k | chat_arithmetic (questions through the chat template) | a registered task (docs/extending.md)
+    name: str = "arithmetic"  # arithmetic (embedded, synthetic) | gsm8k | chat_arithmetic (questions through the chat template) | multimodal (embedded, several answers per prompt) | a registered task (docs/extending.md)
     seed: int = 0  # draws the training problems (arithmetic) / their order
     n_train: int = 20000  # training problems (gsm8k: 0 = all available)
     n_eval: int = 200  # eval problems, fixed and disjoint from train (gsm8k: 0 = all)
@@ -145,6 +145,9 @@ class TaskConfig:
     max_operands: int = 3  # most numbers per expression
     max_digits: int = 2  # operands have 1..max_digits digits
     ops: str = "+-"  # operators drawn from, a subset of "+-*"
+    # multimodal knobs: how many valid answers a prompt has
+    min_answers: int = 2  # fewest valid answers per prompt (>= 1)
+    max_answers: int = 6  # most valid answers per prompt
     # gsm8k
     path: str | None = None  # local .jsonl/.parquet file or folder, hub id (needs `datasets`), or "embedded:gsm8k_mini"
     hub_config: str = "main"  # dataset config name on the hub (openai/gsm8k has "main" and "socratic")
@@ -174,6 +177,16 @@ class TaskConfig:
                 "task.ops",
                 self.ops,
                 "a non-empty subset of '+-*', e.g. '+-'",
+            )
+        if self.name == "multimodal":
+            _check(self.n_train >= 1, "task.n_train", self.n_train, "an integer >= 1 for multimodal")
+            _check(self.n_eval >= 1, "task.n_eval", self.n_eval, "an integer >= 1 for multimodal")
+            _check(isinstance(self.min_answers, int) and self.min_answers >= 1, "task.min_answers", self.min_answers, "an integer >= 1")
+            _check(
+                isinstance(self.max_answers, int) and self.min_answers <= self.max_answers <= 10,
+                "task.max_answers",
+                self.max_answers,
+                f"an integer in [min_answers={self.min_answers}, 10]",
             )
         if self.name == "gsm8k":
             _check(

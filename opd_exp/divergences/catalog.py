@@ -41,6 +41,8 @@ class Divergence(ABC):
 
     name: ClassVar[str]
     baseline: ClassVar[float] = 0.0  # token_cost = token_score - baseline
+    # E_{y~S}[token_cost(y) grad log S(y)] = grad D; False only for jsd_legacy (kept wrong, for reproduction)
+    exact_cost: ClassVar[bool] = True
     # constructor parameters, as config keys under ``divergence.`` (the one table of them)
     param_names: ClassVar[tuple[str, ...]] = ()
 
@@ -247,6 +249,32 @@ class JensenShannon(Divergence):
         return self.beta * _zero_where(t == _NEG_INF, r * (t - lm)) + (1.0 - self.beta) * (s - lm)
 
 
+class JensenShannonLegacy(JensenShannon):
+    """WRONG on purpose, for reproduction only: the JSD advantage as it shipped before its fix.
+
+    Its sampled cost is the JSD *value* beta*(t - log m) + (1-beta)*(s - log m),
+    m = beta*e^t + (1-beta)*e^s, used as the REINFORCE/PPO cost. Under y ~ S its expected
+    update does not follow -grad JSD_beta (its cosine with it is negative on random pairs),
+    so training with it mostly drives the student away from the teacher. Everything else
+    (the exact value, the full-vocabulary gradient, ``token_value``) is the correct JSD, so
+    the logged ``jsd/mean`` and eval divergences measure what it does. Only
+    ``estimator=sampled`` uses the cost, and the config refuses any other estimator.
+    """
+
+    name = "jsd_legacy"
+    exact_cost: ClassVar[bool] = False
+
+    def __init__(self, beta: float = 0.5):
+        if not (isinstance(beta, (int, float)) and 0.0 < beta < 1.0):
+            raise ValueError(f"divergence 'jsd_legacy': beta={beta!r} is out of range; allowed: 0 < beta < 1")
+        super().__init__(beta)
+
+    def token_score(self, s, t):
+        # the value of the mixture, not its derivative: the shipped mistake
+        lm = self._log_m(s, t)
+        return self.beta * (t - lm) + (1.0 - self.beta) * (s - lm)
+
+
 def _check_alpha(name: str, alpha) -> float:
     if not (isinstance(alpha, (int, float)) and 0.0 < alpha < 1.0):
         raise ValueError(f"divergence '{name}': alpha={alpha!r} is out of range; allowed: 0 < alpha < 1")
@@ -404,7 +432,7 @@ def on_register(listener) -> None:
         listener(c)
 
 
-for _cls in (ReverseKL, ForwardKL, JensenShannon, SkewForwardKL, SkewReverseKL, TotalVariation):
+for _cls in (ReverseKL, ForwardKL, JensenShannon, SkewForwardKL, SkewReverseKL, TotalVariation, JensenShannonLegacy):
     register_divergence(_cls)
 
 

@@ -54,6 +54,12 @@ def _gsm8k(cfg):
     return GSM8KTask(cfg)
 
 
+def _multimodal(cfg):
+    from opd_exp.tasks.multimodal import MultimodalTask
+
+    return MultimodalTask(cfg)
+
+
 def _chat_arithmetic(cfg):
     from opd_exp.tasks.chat_arithmetic import ChatArithmeticTask
 
@@ -63,6 +69,7 @@ def _chat_arithmetic(cfg):
 register_task("arithmetic", _arithmetic)
 register_task("gsm8k", _gsm8k)
 register_task("chat_arithmetic", _chat_arithmetic)
+register_task("multimodal", _multimodal)
 
 
 def build_task(task_cfg: Any = None) -> Task:

@@ -16,7 +16,7 @@ import torch
 
 from opd_exp.divergences import Divergence
 from opd_exp.training.rollout import Batch, HfRollout, RolloutEngine, decode_responses
-from opd_exp.training.scoring import TeacherScorer
+from opd_exp.training.scoring import TeacherScorer, entropy
 
 # opd-prepare checks models on short prompts of its own task: no cut needed
 UNCAPPED_PROMPT_TOKENS = 1 << 20
@@ -59,9 +59,43 @@ def evaluate_accuracy(
     return accuracy(engine, tokenizer, task, problems, batch_size, return_completions=return_completions)
 
 
+# Row seeds of the eval samples: the same draws at every eval, so curves compare like with like.
+EVAL_SAMPLE_SEED = 982_451_653
+
+
+def sample_metrics(correct: Sequence[Sequence[bool]], found: Sequence[set] | None = None, n_answers: Sequence[int] | None = None) -> dict:
+    """Metrics of k temperature-1 samples per prompt.
+
+    ``correct[i][j]``: sample j of prompt i is correct. ``found[i]``: the distinct correct
+    answers among prompt i's samples, ``n_answers[i]``: how many valid answers it has (both
+    only for tasks that list their answers).
+
+    * ``eval/precision``  share of all samples that are correct
+    * ``eval/pass@k``     share of prompts with at least one correct sample
+    * ``eval/coverage``   mean over prompts of |found| / n_answers
+    """
+    n = len(correct)
+    if n == 0:
+        return {}
+    out = {
+        "eval/precision": sum(sum(c) / max(len(c), 1) for c in correct) / n,
+        "eval/pass@k": sum(any(c) for c in correct) / n,
+    }
+    if found is not None and n_answers is not None:
+        out["eval/coverage"] = sum(len(f) / max(a, 1) for f, a in zip(found, n_answers)) / n
+    return out
+
+
 class Evaluator:
     """``eval/accuracy`` of the student's greedy responses, and on the same responses the exact
-    divergences over the vocabulary (same S and T as the objective), per response token."""
+    divergences over the vocabulary (same S and T as the objective), per response token.
+
+    With ``samples`` = k > 0 it also draws k responses per prompt from the student's sampling
+    distribution (the rollout's temperature/top-k/top-p, fixed row seeds) and logs
+    ``eval/precision``, ``eval/pass@k``, ``eval/entropy`` (the student's mean per-token
+    entropy on those samples) and, when every problem lists its valid answers
+    (``problem.answers``), ``eval/coverage``.
+    """
 
     def __init__(
         self,
@@ -75,8 +109,10 @@ class Evaluator:
         teacher: TeacherScorer,
         chunk_size=None,
         on_prompts: Callable[[list[str]], Any] | None = None,
+        samples: int = 0,
     ):
         self.task, self.tokenizer, self.problems, self.batch_size = task, tokenizer, list(problems), batch_size
+        self.samples = samples
         self.divergences, self.student_logits, self.teacher, self.chunk_size = divergences, student_logits, teacher, chunk_size
         self.on_prompts = on_prompts  # sees every rendered prompt (the trainer counts over-long ones)
 
@@ -108,4 +144,38 @@ class Evaluator:
             n_tok += batch.num_response_tokens
         out = {k: v / max(n_tok, 1) for k, v in sums.items()}
         out["eval/accuracy"] = correct / max(len(self.problems), 1)
+        if self.samples > 0:
+            out.update(self.sampled(engine, device))
+        return out
+
+    @torch.no_grad()
+    def sampled(self, engine: RolloutEngine, device) -> dict[str, float]:
+        """The k-sample metrics (see the class docstring)."""
+        k = self.samples
+        listed = bool(self.problems) and all(getattr(p, "answers", None) for p in self.problems)
+        extract = getattr(self.task, "extract_answer", None)
+        correct: list[list[bool]] = []
+        found: list[set] = []
+        ent_sum, n_tok = 0.0, 0
+        per_chunk = max(1, self.batch_size // k)
+        for start in range(0, len(self.problems), per_chunk):
+            chunk = self.problems[start : start + per_chunk]
+            prompts = [self.task.render_prompt(p, self.tokenizer) for p in chunk]
+            seeds = [EVAL_SAMPLE_SEED + (start + i) * k + j for i in range(len(chunk)) for j in range(k)]
+            batch = engine.generate(prompts, seeds, n_samples=k).to(device)
+            texts = decode_responses(self.tokenizer, batch)
+            zs = self.student_logits(batch)
+            m = batch.response_mask.bool()
+            ent_sum += float(entropy(zs)[m].sum())
+            n_tok += batch.num_response_tokens
+            for i, p in enumerate(chunk):
+                rows = texts[i * k : (i + 1) * k]
+                ok = [bool(self.task.verify(t, p.answer)) for t in rows]
+                correct.append(ok)
+                if listed and extract is not None:
+                    found.append({extract(t) for t, good in zip(rows, ok) if good})
+        out = sample_metrics(
+            correct, found if listed and extract is not None else None, [len(p.answers) for p in self.problems] if listed else None
+        )
+        out["eval/entropy"] = ent_sum / max(n_tok, 1)
         return out

@@ -57,6 +57,20 @@ AGREEMENT_METRICS = ("teacher/entropy", "overlap/teacher_mass", "overlap/student
 FORWARD_KL_METRICS = ("kl/forward", "exact/kl_forward")
 
 
+def position_mask(mask: torch.Tensor, positions: str, fraction: float) -> torch.Tensor:
+    """The response positions that count in the loss: ``all`` of them, or the ``first`` /
+    ``last`` ceil(fraction * L) of each row's L response tokens (``mask`` is [N, R], a prefix
+    of each row)."""
+    m = mask.bool()
+    if positions == "all":
+        return m
+    length = m.sum(-1, keepdim=True)
+    n = torch.ceil(fraction * length.to(torch.float64)).to(length.dtype)
+    index = torch.cumsum(m.long(), -1) - 1  # 0-based index among the row's response tokens
+    keep = index < n if positions == "first" else index >= length - n
+    return m & keep
+
+
 @dataclass
 class Output:
     loss: torch.Tensor  # differentiable scalar (already divided by the normalizer)
@@ -88,8 +102,8 @@ class Tally(dict):
 
 
 def metric_beta(cfg: TrainConfig) -> float:
-    """`jsd/mean` is at the configured beta for jsd, and at 0.5 for every other divergence."""
-    return cfg.divergence.beta if cfg.divergence.name.value == "jsd" else 0.5
+    """`jsd/mean` is at the configured beta for jsd (and jsd_legacy), and at 0.5 for every other divergence."""
+    return cfg.divergence.beta if cfg.divergence.name.value in ("jsd", "jsd_legacy") else 0.5
 
 
 def logprob_gap(engine_lp: torch.Tensor, trainer_lp: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
@@ -149,7 +163,8 @@ class Objective:
         else:
             per_token, advantages, clipped = self._on_policy(student_z, teacher_z, response_ids, m, s, t)
 
-        loss = torch.where(m, per_token, zero).sum() / max(float(normalizer), 1.0)
+        counted = position_mask(m, cfg.loss.positions.value, cfg.loss.position_fraction)
+        loss = torch.where(counted, per_token, zero).sum() / max(float(normalizer), 1.0)
 
         with torch.no_grad():
             zs = student_z.detach()

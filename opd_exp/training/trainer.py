@@ -168,6 +168,7 @@ class Trainer:
             student_logits=lambda b: self._student_logits(self.student, b),
             chunk_size=cfg.estimator.chunk_size,
             on_prompts=self._count_truncated,
+            samples=tc.eval_samples,
         )
 
         # The training forward goes through DDP / the FSDP2-sharded model; generate, eval and

@@ -42,6 +42,9 @@ WORLD_VERSION = 2
 # Seconds per SFT step of the default teacher (hidden 64, 2 layers, batch 64) on one core of
 # a shared 2-core machine (4000 steps took about 6 min): the announced estimate scales it.
 SECONDS_PER_STEP = 0.09
+# Embedded tasks besides arithmetic, each with its own generator; their cache keys carry a
+# "world" entry, so arithmetic keys (and entries) are exactly what they were before.
+EMBEDDED_TASKS = ("multimodal",)
 
 
 @dataclass
@@ -60,6 +63,8 @@ def world_task_config(task_cfg: Any = None) -> TaskConfig:
     world, since these tiny models only ever know arithmetic.
     """
     task = as_task_config(task_cfg)
+    if task.name in EMBEDDED_TASKS:
+        return task
     if task.name != "arithmetic":
         log.warning("task %r is not arithmetic: the embedded pair is prepared for the default arithmetic task", task.name)
         return TaskConfig()
@@ -81,6 +86,21 @@ def model_key(role: str, pair: EmbeddedPairConfig, task: TaskConfig) -> dict:
     a seed sweep reuses one prepared pair.
     """
     model: EmbeddedModelConfig = getattr(pair, role)
+    if task.name == "multimodal":
+        return {
+            "world_version": WORLD_VERSION,
+            "world": "multimodal",
+            "role": role,
+            "model": dataclasses.asdict(model),
+            "tokenizer": cache.key_hash(tokenizer_key()),
+            "data": {"n_sft": pair.n_sft, "seed": pair.seed, "n_check": pair.n_check},
+            "task": {
+                "min_answers": task.min_answers,
+                "max_answers": task.max_answers,
+                "n_eval": task.n_eval,
+                "eval_seed": task.eval_seed,
+            },
+        }
     return {
         "world_version": WORLD_VERSION,
         "role": role,
@@ -130,18 +150,30 @@ def _build_tokenizer(folder: Path) -> dict:
     return {"vocab": len(load_tokenizer(folder))}
 
 
+def _sft_data(task: TaskConfig, pair: EmbeddedPairConfig) -> tuple[list, list]:
+    """(eval problems, SFT problems): SFT data drawn from the pair's own seed, never touching
+    the task's eval set. Multimodal draws carry one random valid answer each, so the teacher
+    learns to spread its mass over all of them."""
+    if task.name == "multimodal":
+        from opd_exp.tasks import multimodal
+
+        spec = multimodal.spec_of(task)
+        evals = multimodal.eval_split(spec, task.n_eval, task.eval_seed)
+        return evals, multimodal.train_split(spec, pair.n_sft, seed=10_000 + pair.seed, exclude={p.prompt for p in evals})
+    spec = _spec(task)
+    evals = eval_split(spec, task.n_eval, task.eval_seed)
+    return evals, train_split(spec, pair.n_sft, seed=10_000 + pair.seed, exclude={p.prompt for p in evals})
+
+
 def _build_model(folder: Path, role: str, pair: EmbeddedPairConfig, task: TaskConfig, tok_dir: Path, progress: bool) -> dict:
     from opd_exp.pairs.embedded.models import build_model, count_parameters, save_model
     from opd_exp.pairs.embedded.sft import sft_train
-    from opd_exp.tasks.arithmetic import ArithmeticTask
+    from opd_exp.tasks import build_task
     from opd_exp.training.evaluate import evaluate_accuracy
 
     recipe: EmbeddedModelConfig = getattr(pair, role)
     tokenizer = load_tokenizer(tok_dir)
-    spec = _spec(task)
-    evals = eval_split(spec, task.n_eval, task.eval_seed)
-    # SFT data: drawn from the pair's own seed, never touching the task's eval set.
-    problems = train_split(spec, pair.n_sft, seed=10_000 + pair.seed, exclude={p.prompt for p in evals})
+    evals, problems = _sft_data(task, pair)
     seed = pair.seed * 2 + (0 if role == "teacher" else 1)
     model = build_model(recipe, tokenizer, seed=seed)
     fit = sft_train(
@@ -159,7 +191,7 @@ def _build_model(folder: Path, role: str, pair: EmbeddedPairConfig, task: TaskCo
     score = {"accuracy": float("nan"), "format_rate": float("nan"), "n": 0}
     if checks:
         max_new = max(len(p.solution) for p in checks) + 8
-        score = evaluate_accuracy(model, tokenizer, ArithmeticTask(task), checks, batch_size=256, max_new_tokens=max_new)
+        score = evaluate_accuracy(model, tokenizer, build_task(task), checks, batch_size=256, max_new_tokens=max_new)
     save_model(model, tokenizer, folder)
     return {
         "role": role,

@@ -1,0 +1,150 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # The lab: the field's claims, reproduced on the embedded worlds
+#
+# Reads the lab sweeps' folders (`multirun/lab_<claim>/<model_pair>/`, written by
+# `opd-train -m sweep=lab_<claim>`), prints per claim the table of final eval values
+# (mean ± 95% CI over seeds, Student's t), and draws the eval curves with the seeds as a band
+# into `docs/results/lab_<claim>.png`. A sweep whose folder is missing is skipped.
+#
+# `OPD_LAB_ROOT` (default: `multirun`, or `../multirun` from `notebooks/`) is where the sweep
+# folders live; `OPD_LAB_FIGURES` (default: `docs/results`) where the figures go
+# (empty: do not save).
+
+# %%
+import math
+import os
+from pathlib import Path
+
+import matplotlib.pyplot as plt
+from IPython.display import Markdown, display
+
+from opd_exp.analysis import group_by_variant, load_runs
+from opd_exp.analysis.runs import curve
+
+ROOT = Path(os.environ.get("OPD_LAB_ROOT") or ("multirun" if Path("multirun").exists() else "../multirun"))
+FIGURES = os.environ.get("OPD_LAB_FIGURES", "docs/results" if Path("docs").exists() else "../docs/results")
+
+# claim -> (metrics of its table and figure, short label of a variant from its overrides)
+CLAIMS = {
+    "lab_kl_direction": [
+        "eval/precision",
+        "eval/coverage",
+        "eval/entropy",
+        "eval/pass@k",
+        "eval/accuracy",
+        "eval/kl_reverse",
+        "eval/kl_forward",
+    ],
+    "lab_legacy_jsd": ["eval/jsd", "eval/kl_reverse", "eval/kl_forward", "eval/precision", "eval/accuracy"],
+    "lab_on_policy": ["eval/accuracy", "eval/precision", "eval/kl_reverse", "eval/kl_forward", "eval/jsd"],
+    "lab_prefix_x_kl": ["eval/accuracy", "eval/precision", "eval/kl_reverse", "eval/kl_forward"],
+    "lab_token_fraction": ["eval/accuracy", "eval/precision", "eval/kl_reverse", "eval/kl_forward"],
+}
+# two-sided 95% Student's t quantiles by degrees of freedom
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+
+
+def ci95(values):
+    """(mean, half-width of the 95% CI, n) over the finite values."""
+    xs = [v for v in values if v is not None and math.isfinite(v)]
+    if not xs:
+        return math.nan, math.nan, 0
+    m = sum(xs) / len(xs)
+    if len(xs) == 1:
+        return m, math.nan, 1
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    return m, T95.get(len(xs) - 1, 1.96) * sd / math.sqrt(len(xs)), len(xs)
+
+
+def fmt(stat, digits=3):
+    m, h, n = stat
+    if n == 0:
+        return "—"
+    return f"{m:.{digits}f}" if not math.isfinite(h) else f"{m:.{digits}f} ± {h:.{digits}f}"
+
+
+def folder(claim):
+    found = sorted(p for p in (ROOT / claim).glob("*") if p.is_dir()) if (ROOT / claim).is_dir() else []
+    return found[0] if found else None
+
+
+def present(runs, metrics):
+    """The metrics some run logged (a sweep without eval samples has no eval/precision)."""
+    return [m for m in metrics if any(r.steps(m) for r in runs)]
+
+
+def table(runs, metrics):
+    groups = group_by_variant(runs)
+    head = ["variant", "seeds", *metrics]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for variant, rs in groups.items():
+        seeds = ",".join(str(r.seed) for r in rs)
+        lines.append("| " + " | ".join([variant, seeds, *[fmt(ci95(r.final(m) for r in rs)) for m in metrics]]) + " |")
+    return "\n".join(lines)
+
+
+def figure(runs, metrics, title):
+    groups = group_by_variant(runs)
+    n = len(metrics)
+    cols = min(n, 3)
+    rows = math.ceil(n / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.3 * rows), squeeze=False)
+    for ax, metric in zip(axes.flat, metrics):
+        for variant, rs in groups.items():
+            c = curve(rs, metric)
+            if not c["step"]:
+                continue
+            (line,) = ax.plot(c["step"], c["mean"], marker="o", ms=3, label=variant)
+            ax.fill_between(c["step"], c["min"], c["max"], color=line.get_color(), alpha=0.18, lw=0)
+        lows = [v for line in ax.get_lines() for v in line.get_ydata() if v > 0]
+        if metric.startswith(("eval/kl", "eval/jsd")) and lows and max(lows) > 8 * min(lows):
+            ax.set_yscale("log")  # variants orders of magnitude apart: each stays readable
+        ax.set_title(metric + (" (log scale)" if ax.get_yscale() == "log" else ""), fontsize=10)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[n:]:
+        ax.axis("off")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    per_row = 5 if max(map(len, labels), default=0) < 25 else 2  # long variant names: fewer per row
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), per_row), fontsize=9, frameon=False)
+    steps = max(max(r.steps("eval/accuracy"), default=0) for r in runs)
+    seeds = sorted({r.seed for r in runs if r.seed is not None})
+    fig.suptitle(f"{title}: {len(runs)} jobs, {steps} steps, seeds {seeds}; mean over seeds, band = min..max", fontsize=11)
+    fig.tight_layout(rect=(0, 0.04 * math.ceil(len(labels) / per_row) + 0.03, 1, 0.95))
+    return fig
+
+
+# %% [markdown]
+# ## Every claim: table and curves
+
+# %%
+for claim, metrics in CLAIMS.items():
+    where = folder(claim)
+    if where is None:
+        print(f"{claim}: no runs under {ROOT / claim} (run `opd-train -m sweep={claim}`)")
+        continue
+    runs = load_runs(where)
+    metrics = present(runs, metrics)
+    last = max(max(r.steps("eval/accuracy"), default=0) for r in runs)
+    head = f"### {claim}\n`{where}`: {len(runs)} jobs; final eval (step {last}), mean ± 95% CI over seeds\n\n"
+    display(Markdown(head + table(runs, metrics)))
+    fig = figure(runs, metrics, claim)
+    if FIGURES:
+        Path(FIGURES).mkdir(parents=True, exist_ok=True)
+        fig.savefig(Path(FIGURES) / f"{claim}.png", dpi=110)
+    plt.show()
