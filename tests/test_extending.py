@@ -136,8 +136,8 @@ def test_unknown_names_list_the_registered_ones(tmp_path):
     env = dict(os.environ, OPD_PLUGINS=str(EXAMPLE))
     env.pop("HYDRA_FULL_ERROR", None)
     for args, needle in (
-        (["divergence=nope"], "divergence=nope: no such option; allowed: fkl, jeffreys, jsd, rkl, skl, srkl, tvd"),
-        (["divergence.name=nope"], "expected one of [rkl, fkl, jsd, skl, srkl, tvd, jeffreys]"),
+        (["divergence=nope"], "divergence=nope: no such option; allowed: fkl, jeffreys, jsd, jsd_legacy, rkl, skl, srkl, tvd"),
+        (["divergence.name=nope"], "expected one of [rkl, fkl, jsd, skl, srkl, tvd, jsd_legacy, jeffreys]"),
         (["task.name=nope"], "task.name: got 'nope'; allowed: arithmetic | gsm8k | chat_arithmetic | qa_jsonl"),
     ):
         res = subprocess.run(

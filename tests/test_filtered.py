@@ -126,7 +126,9 @@ def _expected_reinforce(d, zs, zt, filt, gamma):
 
 @pytest.mark.parametrize("filt", [dict(top_k=2), dict(top_p=0.75)], ids=["top_k2", "top_p0.75"])
 @pytest.mark.parametrize(
-    "spec", [s for s in every_divergence() if s[0] != "fkl"], ids=lambda s: s[0] + "".join(str(v) for v in s[1].values())
+    "spec",
+    [s for s in every_divergence() if s[0] != "fkl" and get_divergence(s[0], **s[1]).exact_cost],
+    ids=lambda s: s[0] + "".join(str(v) for v in s[1].values()),
 )
 def test_sequence_credit_under_filtering_follows_the_exact_gradient(spec, filt):
     d = get_divergence(spec[0], **spec[1])
