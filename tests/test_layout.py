@@ -41,7 +41,11 @@ def imports() -> dict[str, set[str]]:
             elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
                 targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
             elif isinstance(node, ast.ImportFrom) and node.level:
-                base = name.split(".")[: -node.level] if path.name != "__init__.py" else name.split(".")[: len(name.split(".")) - node.level + 1]
+                base = (
+                    name.split(".")[: -node.level]
+                    if path.name != "__init__.py"
+                    else name.split(".")[: len(name.split(".")) - node.level + 1]
+                )
                 mod = ".".join(base + ([node.module] if node.module else []))
                 targets = [mod] + [f"{mod}.{a.name}" for a in node.names]
             deps |= {t for t in targets if t in modules and t != name}

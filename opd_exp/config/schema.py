@@ -88,6 +88,7 @@ class ParamDtype(Enum):
 
 class RolloutEngine(Enum):
     hf = "hf"  # transformers generate on the training copy of the model
+    lean = "lean"  # our own KV-cache decode loop on the training copy (Gumbel-max draws; no generate)
     vllm = "vllm"  # a vLLM engine (optional extra), weights synced after every update
 
 
@@ -181,7 +182,8 @@ class RolloutConfig:
     max_new_tokens: int = 40
     # GKD's lambda: share of steps whose responses the student samples (the rest: the teacher)
     on_policy_fraction: float = 1.0
-    # hf: transformers generate | vllm: a vLLM engine (pip install 'opd-exp[vllm]'; docs/scale.md)
+    # hf: transformers generate | lean: our KV-cache decode loop over the same module (same
+    # distribution, less per-token overhead) | vllm: a vLLM engine (pip install 'opd-exp[vllm]'; docs/scale.md)
     engine: RolloutEngine = RolloutEngine.hf
     # vllm only: share of the GPU's memory the engine may take (the trainer needs the rest)
     vllm_gpu_memory_utilization: float = 0.3
@@ -374,6 +376,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         )
     if tc.parallel is not Parallel.none and tc.device == "mps":
         _fail("trainer.device", "mps", f"auto, cpu, cuda with trainer.parallel={tc.parallel.value} (no process group backend for mps)")
+    if cfg.rollout.engine is RolloutEngine.lean and tc.parallel is Parallel.fsdp:
+        _fail("rollout.engine", "lean", "hf or vllm with trainer.parallel=fsdp (sharded forwards need generate's synced_gpus)")
     if cfg.rollout.engine is RolloutEngine.vllm:
         if tc.parallel is not Parallel.none:
             _fail("rollout.engine", "vllm", f"hf with trainer.parallel={tc.parallel.value} (the vLLM engine is single-process for now)")

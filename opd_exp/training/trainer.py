@@ -62,8 +62,13 @@ def require_extras(cfg: TrainConfig) -> None:
 
 
 def build_student_engine(cfg: TrainConfig, student, tokenizer, vocab_size: int, *, autocast, synced_gpus: bool, warn) -> RolloutEngine:
-    """``rollout.engine``: ``hf`` samples the live module in-process; ``vllm`` a vLLM engine
-    that receives the student's weights after every update."""
+    """``rollout.engine``: ``hf`` samples the live module in-process with ``generate``; ``lean``
+    with our own KV-cache decode loop; ``vllm`` a vLLM engine that receives the student's
+    weights after every update."""
+    if cfg.rollout.engine.value == "lean":
+        from opd_exp.training.sampler import LeanRollout
+
+        return LeanRollout(student, tokenizer, cfg.rollout, vocab_size, source="student", autocast=autocast)
     if cfg.rollout.engine.value == "vllm":
         from opd_exp.training.rollout_vllm import VllmRollout
 
