@@ -92,6 +92,12 @@ class RolloutEngine(Enum):
     vllm = "vllm"  # a vLLM engine (optional extra), weights synced after every update
 
 
+class FusedLmHead(Enum):
+    auto = "auto"  # fused where it wins: vocabulary >= 32768, one process, no LoRA, a plain Linear head
+    on = "on"  # always fused (a model it cannot cover is an error)
+    off = "off"  # always the materialised [N, R, V] logits
+
+
 class LoggerName(Enum):
     wandb = "wandb"
     none = "none"
@@ -266,6 +272,10 @@ class TrainerConfig:
     teacher_dtype: ParamDtype = ParamDtype.fp32
     # recompute the student's activations in backward (less memory, ~30% more compute)
     grad_checkpointing: bool = False
+    # auto | on | off: compute the LM heads, the objective and its gradient a chunk of response
+    # positions at a time from the final hidden states, so no [N, R, V] logits exist for either
+    # model (docs/training.md); auto: on for vocabularies >= 32768 where the model allows it
+    fused_lm_head: FusedLmHead = FusedLmHead.auto
     # where the teacher lives: same (the student's device) | cpu | cuda | cuda:N
     teacher_device: str = "same"
     # LoRA adapters on the student (0: off, full fine-tuning); needs peft (opd-exp[lora])
@@ -376,6 +386,10 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         )
     if tc.parallel is not Parallel.none and tc.device == "mps":
         _fail("trainer.device", "mps", f"auto, cpu, cuda with trainer.parallel={tc.parallel.value} (no process group backend for mps)")
+    if tc.fused_lm_head is FusedLmHead.on and tc.parallel is not Parallel.none:
+        _fail("trainer.fused_lm_head", "on", f"auto or off with trainer.parallel={tc.parallel.value} (the fused path is single-process)")
+    if tc.fused_lm_head is FusedLmHead.on and tc.lora_rank:
+        _fail("trainer.fused_lm_head", "on", "auto or off with trainer.lora_rank > 0 (a LoRA student's backbone is wrapped)")
     if cfg.rollout.engine is RolloutEngine.lean and tc.parallel is Parallel.fsdp:
         _fail("rollout.engine", "lean", "hf or vllm with trainer.parallel=fsdp (sharded forwards need generate's synced_gpus)")
     if cfg.rollout.engine is RolloutEngine.vllm:

@@ -26,8 +26,9 @@ FILTERED_LOGIT = -1e9
 
 
 def sampling_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """The logits of the distribution actually sampled from (fp32): tempered, then filtered."""
-    z = logits.float()
+    """The logits of the distribution actually sampled from (fp32, or fp64 for fp64 logits):
+    tempered, then filtered."""
+    z = logits if logits.dtype == torch.float64 else logits.float()
     if temperature != 1.0:
         z = z / temperature
     if top_k > 0 and top_k < z.shape[-1]:

@@ -76,6 +76,21 @@ def build_student_engine(cfg: TrainConfig, student, tokenizer, vocab_size: int, 
     return HfRollout(student, tokenizer, cfg.rollout, vocab_size, source="student", autocast=autocast, synced_gpus=synced_gpus)
 
 
+def use_fused_lm_head(cfg: TrainConfig, student, teacher, vocab_size: int) -> bool:
+    """``trainer.fused_lm_head``: on, off, or auto (on for real vocabularies where it is exact)."""
+    from opd_exp.training.fused import AUTO_MIN_VOCAB, unsupported_reason
+
+    mode, tc = cfg.trainer.fused_lm_head.value, cfg.trainer
+    if mode == "off":
+        return False
+    reason = next((f"the {who} {r}" for who, m in (("student", student), ("teacher", teacher)) if (r := unsupported_reason(m))), None)
+    if mode == "on":
+        if reason:
+            raise ConfigError(f"trainer.fused_lm_head='on' is not allowed; allowed: auto or off here ({reason})")
+        return True
+    return reason is None and tc.parallel.value == "none" and not tc.lora_rank and vocab_size >= AUTO_MIN_VOCAB
+
+
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, *, pair, task, sinks: list[Sink] | None = None):
         self.cfg = cfg
@@ -121,6 +136,13 @@ class Trainer:
             self.teacher, self.vocab_size, temperature=cfg.divergence.temperature, device=teacher_device, autocast=self.autocast
         )
         self.objective = Objective(cfg)
+        self.fused_teacher = None
+        if use_fused_lm_head(cfg, self.student, self.teacher, self.vocab_size):
+            from opd_exp.training.fused import FusedTeacher
+
+            self.fused_teacher = FusedTeacher(
+                self.teacher, self.vocab_size, temperature=cfg.divergence.temperature, device=teacher_device, autocast=self.autocast
+            )
         eval_problems = evals[: tc.eval_size] if tc.eval_size else evals
         self.evaluator = Evaluator(
             task,
@@ -231,6 +253,16 @@ class Trainer:
         for i, mb in enumerate(mbs):
             if mb.num_response_tokens == 0 and not ds.active:
                 continue
+            if self.fused_teacher is not None:  # single process: no collectives to keep in step
+                out, lp = self._fused(mb, batch.source == "student", n_tokens)
+                if mb.sampling_logprobs is not None:
+                    from opd_exp.training.rollout_vllm import logprob_gap_sum
+
+                    sums["rollout/engine_logprob_gap"] += logprob_gap_sum(mb.sampling_logprobs, lp, mb.response_mask)
+                loss_total += float(out.loss)
+                for k, v in out.sums.items():
+                    sums[k] += v
+                continue
             zt = self.teacher_scorer.logits(mb)
             # Caught before the loss: a NaN teacher logit would turn the loss (and, through
             # masked positions, the gradient) into NaN with no hint where it came from.
@@ -254,6 +286,31 @@ class Trainer:
             for k, v in out.sums.items():
                 sums[k] += v
         return loss_total, sums
+
+    def _fused(self, mb, on_policy: bool, n_tokens: int):
+        """One micro-batch through the fused LM-head path (objective and backward, chunked)."""
+        from opd_exp.training.fused import fused_accumulate
+
+        def check(zt):
+            if (bad := nonfinite_summary(zt)) is not None:
+                raise NonFinite(f"teacher log-probs are not finite at step {self.step + 1} ({bad} teacher logits)")
+
+        ro = self.cfg.rollout
+        return fused_accumulate(
+            self.objective,
+            self.student,
+            self.fused_teacher,
+            mb,
+            vocab_size=self.vocab_size,
+            temperature=ro.temperature,
+            top_k=ro.top_k,
+            top_p=ro.top_p,
+            on_policy=on_policy,
+            normalizer=n_tokens,
+            chunk_positions=self.cfg.estimator.chunk_size,
+            autocast=self.autocast,
+            check_teacher=check,
+        )
 
     def _reduce(self, loss: float, sums: dict[str, float]) -> tuple[float, dict[str, float]]:
         """Token-weighted over ranks: sums of per-token values, divided later by the global count."""
