@@ -142,7 +142,9 @@ def run_trl(root: Path, div: str, a) -> dict:
         shuffle_dataset=False,
         seed=0,
     )
-    trainer = DistillationTrainer(model=student, teacher_model=teacher, args=args, train_dataset=data, processing_class=tok, callbacks=[Clock()])
+    trainer = DistillationTrainer(
+        model=student, teacher_model=teacher, args=args, train_dataset=data, processing_class=tok, callbacks=[Clock()]
+    )
     torch.set_num_threads(1)
     trainer.train()
     return {"times": times, "losses": losses, "length": statistics.mean(lengths) if lengths else float("nan")}
@@ -255,7 +257,9 @@ def main() -> None:
         f"one OPD step, {a.batch} prompts x 1 sample, {a.length} response tokens, embedded-size random pair "
         f"(V=259), fp32 CPU, 1 thread, {a.repeats} fresh processes x {a.steps - a.warmup} steps after {a.warmup} warm-up"
     )
-    print("| divergence | implementation | CPU s/step median [range] | wall s/step median [range] | tokens/s | peak RSS GiB | mean length | loss first -> last | CPU ratio vs trl |")
+    print(
+        "| divergence | implementation | CPU s/step median [range] | wall s/step median [range] | tokens/s | peak RSS GiB | mean length | loss first -> last | CPU ratio vs trl |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     med_cpu = {}
     for d in divs:

@@ -10,7 +10,7 @@ from scipy import stats
 from helpers.tiny import AddTask, small_config
 from opd_exp.config.schema import RolloutEngine
 from opd_exp.training.rollout import generate, sampling_logits
-from opd_exp.training.sampler import LeanRollout, lean_generate
+from opd_exp.training.sampler import LeanRollout, StaticDecoder, lean_generate
 from opd_exp.training.scoring import response_logits, student_logits, token_logprobs
 
 PROMPTS = ["1+2=", "34+5=", "7=", "12+"]
@@ -23,22 +23,26 @@ def _same_batch(a, b):
     assert a.prompt_len == b.prompt_len and a.source == b.source
 
 
-def test_greedy_equals_generate_greedy_exactly(tiny_pair):
-    """The teacher has 8 padded embedding rows: neither path may pick them."""
+@pytest.mark.parametrize("static", [True, False])
+def test_greedy_equals_generate_greedy_exactly(tiny_pair, static):
+    """The teacher has 8 padded embedding rows: neither path may pick them. ``static``: our
+    decode step over a preallocated cache, or the model's own forward over its cache."""
     model, tok, V = tiny_pair.teacher, tiny_pair.tokenizer, tiny_pair.vocab_size
+    assert StaticDecoder.covers(model)
     kw = dict(n_samples=2, max_new_tokens=12, do_sample=False, vocab_size=V)
-    ours, ref = lean_generate(model, tok, PROMPTS, **kw), generate(model, tok, PROMPTS, **kw)
+    ours, ref = lean_generate(model, tok, PROMPTS, static=static, **kw), generate(model, tok, PROMPTS, **kw)
     _same_batch(ours, ref)
     assert ours.sampling_logprobs is None
 
 
+@pytest.mark.parametrize("static", [True, False])
 @pytest.mark.parametrize("temperature,top_k,top_p", SETTINGS)
-def test_row_seeded_draws_equal_generate_with_row_seeds(tiny_pair, temperature, top_k, top_p):
+def test_row_seeded_draws_equal_generate_with_row_seeds(tiny_pair, temperature, top_k, top_p, static):
     """Same per-row generators and Gumbel noise as ``RowKeyedSampler``: the same tokens."""
     model, tok, V = tiny_pair.teacher, tiny_pair.tokenizer, tiny_pair.vocab_size
     seeds = [11 * i + 3 for i in range(len(PROMPTS) * 3)]
     kw = dict(n_samples=3, max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p, vocab_size=V, row_seeds=seeds)
-    ours, ref = lean_generate(model, tok, PROMPTS, **kw), generate(model, tok, PROMPTS, **kw)
+    ours, ref = lean_generate(model, tok, PROMPTS, static=static, **kw), generate(model, tok, PROMPTS, **kw)
     _same_batch(ours, ref)
     assert int(ours.response_ids.max()) < V  # padded rows never sampled
 
@@ -132,6 +136,15 @@ def test_lean_engine_with_fsdp_is_refused_before_any_model_loads():
 
     with pytest.raises(ConfigError, match=r"rollout.engine='lean' is not allowed; allowed: hf or vllm with trainer.parallel=fsdp"):
         validate(small_config(rollout=dict(engine=RolloutEngine.lean), trainer=dict(parallel=Parallel.fsdp)))
+
+
+def test_static_decoder_is_not_used_where_it_does_not_cover(tiny_pair):
+    model = tiny_pair.student
+    model.config.use_sliding_window = True
+    assert not StaticDecoder.covers(model)
+    model.config.use_sliding_window = False
+    model.config.model_type = "gemma2"
+    assert not StaticDecoder.covers(model)
 
 
 def test_response_logits_see_what_the_sampler_saw(tiny_pair):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -53,6 +54,69 @@ def _cache_key(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+class StaticDecoder:
+    """One-token decode steps of a Llama-style decoder (Qwen2, Llama) straight over its modules
+    and a preallocated KV cache: the same operations as the model's forward without the
+    per-call machinery (mask building, cache objects, output capture), which at small sizes
+    costs more than the arithmetic. ``StaticDecoder.covers(model)`` says where it applies."""
+
+    MODEL_TYPES = ("qwen2", "llama")
+
+    @classmethod
+    def covers(cls, model) -> bool:
+        cfg = getattr(model, "config", None)
+        if getattr(cfg, "model_type", None) not in cls.MODEL_TYPES or getattr(cfg, "use_sliding_window", False):
+            return False
+        if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+            return False
+        base = getattr(model, "base_model", None)
+        layers = getattr(base, "layers", None)
+        if layers is None or not hasattr(base, "rotary_emb") or not isinstance(model.get_output_embeddings(), torch.nn.Linear):
+            return False
+        return all(hasattr(layer.self_attn, a) for layer in layers for a in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim"))
+
+    def __init__(self, model, cache, key_mask: torch.Tensor, max_new_tokens: int, vocab_size: int):
+        self.model, self.base, self.V = model, model.base_model, vocab_size
+        self.rope = sys.modules[type(self.base.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        P = key_mask.shape[1]
+        self.keys, self.values = [], []
+        for layer in cache.layers[: len(self.base.layers)]:
+            k, v = layer.keys, layer.values  # [N, kv heads, P, d]
+            K = k.new_zeros(k.shape[0], k.shape[1], P + max_new_tokens, k.shape[3])
+            Vb = v.new_zeros(v.shape[0], v.shape[1], P + max_new_tokens, v.shape[3])
+            K[:, :, :P], Vb[:, :, :P] = k, v
+            self.keys.append(K)
+            self.values.append(Vb)
+        self.mask = torch.cat([key_mask.bool(), key_mask.new_ones(key_mask.shape[0], max_new_tokens).bool()], dim=1)
+        self.length = P
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, V]`` after feeding ``tokens`` [N] at ``positions`` [N, 1]."""
+        base, t = self.base, self.length
+        h = base.embed_tokens(tokens[:, None])
+        cos, sin = base.rotary_emb(h, positions)
+        mask = self.mask[:, None, None, : t + 1]
+        N = h.shape[0]
+        for i, layer in enumerate(base.layers):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = a.q_proj(x).view(N, 1, -1, a.head_dim).transpose(1, 2)
+            k = a.k_proj(x).view(N, 1, -1, a.head_dim).transpose(1, 2)
+            v = a.v_proj(x).view(N, 1, -1, a.head_dim).transpose(1, 2)
+            q, k = self.rope(q, k, cos, sin)
+            self.keys[i][:, :, t : t + 1] = k
+            self.values[i][:, :, t : t + 1] = v
+            K, Vv = self.keys[i][:, :, : t + 1], self.values[i][:, :, : t + 1]
+            rep = q.shape[1] // K.shape[1]
+            if rep > 1:
+                K, Vv = K.repeat_interleave(rep, dim=1), Vv.repeat_interleave(rep, dim=1)
+            o = torch.nn.functional.scaled_dot_product_attention(q, K, Vv, attn_mask=mask, scale=a.scaling)
+            h = h + a.o_proj(o.transpose(1, 2).reshape(N, 1, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        self.length = t + 1
+        return self.model.get_output_embeddings()(base.norm(h))[:, -1, : self.V]
+
+
 @torch.no_grad()
 def lean_generate(
     model,
@@ -70,13 +134,16 @@ def lean_generate(
     vocab_size: int | None = None,
     row_seeds: Sequence[int] | None = None,
     min_new_tokens: int = 0,
+    static: bool | None = None,
 ) -> Batch:
     """Sample ``n_samples`` responses per prompt (rows prompt-major) with a KV-cache decode loop.
 
     Arguments as ``rollout.generate``. Greedy (``do_sample=False``) takes the argmax of the raw
     logits over the first ``vocab_size`` ids, as ``generate`` does. ``min_new_tokens``: EOS is
     not allowed before that many tokens (benchmarks use it to fix the response length; the
-    distribution is then no longer ``sampling_logits``, so the trainer never sets it)."""
+    distribution is then no longer ``sampling_logits``, so the trainer never sets it).
+    ``static``: decode with ``StaticDecoder`` (None: where it covers the model; False: the
+    model's own forward over its cache every token)."""
     device = next(model.parameters()).device
     ids, mask = encode_prompts(tokenizer, prompts, max_prompt_tokens)
     if n_samples > 1:
@@ -102,10 +169,13 @@ def lean_generate(
         out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
         key = _cache_key(model)
         cache, last_pos = getattr(out, key), pos[:, -1:]
+        if static is None:
+            static = StaticDecoder.covers(model) and hasattr(cache, "layers")
+        decoder = StaticDecoder(model, cache, mask, max_new_tokens, V) if static else None
+        raw = out.logits[:, -1, :V]
         done = torch.zeros(N, dtype=torch.bool, device=device)
         tokens, logprobs = [], []
         for i in range(max_new_tokens):
-            raw = out.logits[:, -1, :V]
             if i < min_new_tokens:
                 raw = raw.float().index_fill(-1, eos_t, float("-inf"))
             if do_sample:
@@ -119,10 +189,14 @@ def lean_generate(
             done = done | torch.isin(nxt, eos_t)
             if i == max_new_tokens - 1 or bool(done.all()):
                 break
-            attn = torch.cat([attn, attn.new_ones(N, 1)], dim=1)
             last_pos = last_pos + 1
+            if decoder is not None:
+                raw = decoder.step(nxt, last_pos)
+                continue
+            attn = torch.cat([attn, attn.new_ones(N, 1)], dim=1)
             out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=last_pos, use_cache=True, **{key: cache})
             cache = getattr(out, key)
+            raw = out.logits[:, -1, :V]
     finally:
         model.train(was_training)
 
