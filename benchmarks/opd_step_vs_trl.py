@@ -279,7 +279,7 @@ def main() -> None:
                 f"{statistics.median(wall):.3f} [{min(wall):.3f}, {max(wall):.3f}] | {tps:.0f} | {peak:.2f} | "
                 f"{length:.1f} | {lf:.4f} -> {ll:.4f} | {ratio:.2f} |"
             )
-    print(json.dumps({f"{i}:{d}": v for (i, d), v in runs.items()}), file=open(root / "runs.json", "w"))
+    (root / "runs.json").write_text(json.dumps({f"{i}:{d}": v for (i, d), v in runs.items()}))
     print(f"raw runs: {root / 'runs.json'}")
 
 

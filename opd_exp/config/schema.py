@@ -87,6 +87,7 @@ class ParamDtype(Enum):
 
 
 class RolloutEngine(Enum):
+    auto = "auto"  # lean, except with trainer.parallel=fsdp (hf: sharded forwards need generate's synced_gpus)
     hf = "hf"  # transformers generate on the training copy of the model
     lean = "lean"  # our own KV-cache decode loop on the training copy (Gumbel-max draws; no generate)
     vllm = "vllm"  # a vLLM engine (optional extra), weights synced after every update
@@ -188,9 +189,10 @@ class RolloutConfig:
     max_new_tokens: int = 40
     # GKD's lambda: share of steps whose responses the student samples (the rest: the teacher)
     on_policy_fraction: float = 1.0
-    # hf: transformers generate | lean: our KV-cache decode loop over the same module (same
-    # distribution, less per-token overhead) | vllm: a vLLM engine (pip install 'opd-exp[vllm]'; docs/scale.md)
-    engine: RolloutEngine = RolloutEngine.hf
+    # auto: lean (hf under trainer.parallel=fsdp) | hf: transformers generate | lean: our
+    # KV-cache decode loop over the same module (the same distribution, a fraction of
+    # generate's per-token overhead; docs/training.md) | vllm: a vLLM engine (pip install 'opd-exp[vllm]'; docs/scale.md)
+    engine: RolloutEngine = RolloutEngine.auto
     # vllm only: share of the GPU's memory the engine may take (the trainer needs the rest)
     vllm_gpu_memory_utilization: float = 0.3
 

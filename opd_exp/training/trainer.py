@@ -63,17 +63,27 @@ def require_extras(cfg: TrainConfig) -> None:
 
 def build_student_engine(cfg: TrainConfig, student, tokenizer, vocab_size: int, *, autocast, synced_gpus: bool, warn) -> RolloutEngine:
     """``rollout.engine``: ``hf`` samples the live module in-process with ``generate``; ``lean``
-    with our own KV-cache decode loop; ``vllm`` a vLLM engine that receives the student's
-    weights after every update."""
-    if cfg.rollout.engine.value == "lean":
-        from opd_exp.training.sampler import LeanRollout
-
-        return LeanRollout(student, tokenizer, cfg.rollout, vocab_size, source="student", autocast=autocast)
+    (and ``auto``) with our own KV-cache decode loop; ``vllm`` a vLLM engine that receives the
+    student's weights after every update."""
     if cfg.rollout.engine.value == "vllm":
         from opd_exp.training.rollout_vllm import VllmRollout
 
         return VllmRollout.from_config(cfg, student, tokenizer, vocab_size, warn=warn)
-    return HfRollout(student, tokenizer, cfg.rollout, vocab_size, source="student", autocast=autocast, synced_gpus=synced_gpus)
+    return in_process_engine(cfg, student, tokenizer, vocab_size, source="student", autocast=autocast, synced_gpus=synced_gpus)
+
+
+def in_process_engine(
+    cfg: TrainConfig, model, tokenizer, vocab_size: int, *, source: str, autocast, synced_gpus: bool = False
+) -> RolloutEngine:
+    """The in-process sampler of ``rollout.engine``: ``lean`` (also ``auto``, except under FSDP)
+    or ``hf`` (also with vllm: the teacher's engine). The teacher's engine (on_policy_fraction < 1)
+    follows the same choice."""
+    engine = cfg.rollout.engine.value
+    if engine == "lean" or (engine == "auto" and cfg.trainer.parallel.value != "fsdp"):
+        from opd_exp.training.sampler import LeanRollout
+
+        return LeanRollout(model, tokenizer, cfg.rollout, vocab_size, source=source, autocast=autocast)
+    return HfRollout(model, tokenizer, cfg.rollout, vocab_size, source=source, autocast=autocast, synced_gpus=synced_gpus)
 
 
 def use_fused_lm_head(cfg: TrainConfig, student, teacher, vocab_size: int) -> bool:
@@ -126,7 +136,9 @@ class Trainer:
         self.engine = build_student_engine(
             cfg, self.student, self.tokenizer, self.vocab_size, autocast=self.autocast, synced_gpus=fsdp, warn=self.warn
         )
-        self.teacher_engine = HfRollout(self.teacher, self.tokenizer, ro, self.vocab_size, source="teacher", autocast=self.autocast)
+        self.teacher_engine = in_process_engine(
+            cfg, self.teacher, self.tokenizer, self.vocab_size, source="teacher", autocast=self.autocast
+        )
         self.eval_engines = {
             "student": HfRollout(self.student, self.tokenizer, ro, self.vocab_size, autocast=self.autocast),
             "teacher": self.teacher_engine,
