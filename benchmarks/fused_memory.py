@@ -58,7 +58,16 @@ def _worker(impl: str, V: int, N: int, R: int, seed: int = 0) -> dict:
         return AutoModelForCausalLM.from_config(cfg)
 
     student, teacher = model(seed + 1), model(seed + 2).requires_grad_(False)
+    # every import before the baseline: what is left is the step's own memory
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    from trl.trainer.distillation_trainer import _chunked_divergence_loss
+
+    from opd_exp.config import schema as S
+    from opd_exp.config.world import ModelPairConfig, TaskConfig
+    from opd_exp.training.fused import FusedTeacher, fused_accumulate, response_hidden
+    from opd_exp.training.objective import Objective
     from opd_exp.training.rollout import Batch
+    from opd_exp.training.scoring import student_logits, teacher_logits
 
     P = 8
     g = torch.Generator().manual_seed(seed)
@@ -75,10 +84,6 @@ def _worker(impl: str, V: int, N: int, R: int, seed: int = 0) -> dict:
     base = _rss()
     start = time.perf_counter()
     if impl in ("materialised", "fused"):
-        from opd_exp.config import schema as S
-        from opd_exp.config.world import ModelPairConfig, TaskConfig
-        from opd_exp.training.objective import Objective
-
         cfg = S.TrainConfig(
             model_pair=ModelPairConfig(),
             task=TaskConfig(),
@@ -89,27 +94,18 @@ def _worker(impl: str, V: int, N: int, R: int, seed: int = 0) -> dict:
         objective = Objective(cfg)
         n = N * R
         if impl == "materialised":
-            from opd_exp.training.scoring import student_logits, teacher_logits
-
             zs = student_logits(student, batch, V, temperature=1.0, top_k=0, top_p=1.0)
             zt = teacher_logits(teacher, batch, V, temperature=1.0)
             out = objective(zs, zt, batch.response_ids, batch.response_mask, on_policy=True, normalizer=n)
             out.loss.backward()
             loss = float(out.loss)
         else:
-            from opd_exp.training.fused import FusedTeacher, fused_accumulate
-
             ft = FusedTeacher(teacher, V, temperature=1.0, device="cpu")
             out, _ = fused_accumulate(
                 objective, student, ft, batch, vocab_size=V, temperature=1.0, top_k=0, top_p=1.0, on_policy=True, normalizer=n
             )
             loss = float(out.loss)
     else:
-        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
-        from trl.trainer.distillation_trainer import _chunked_divergence_loss
-
-        from opd_exp.training.fused import response_hidden
-
         hs = response_hidden(student, batch)
         with torch.no_grad():
             ht = response_hidden(teacher, batch)

@@ -136,7 +136,7 @@ def fused_accumulate(
     mask = batch.response_mask.bool()
     y = batch.response_ids
     N, R = mask.shape
-    positions = chunk_positions or 4 * default_chunk_size(vocab_size)
+    positions = chunk_positions or 2 * default_chunk_size(vocab_size)  # ~64 MiB per [chunk, V] fp32 buffer
     per_token = not on_policy or cfg.loss.credit.value == "token"
     head = student.get_output_embeddings()
 
