@@ -170,3 +170,32 @@ def test_auto_keeps_small_vocabularies_materialised_and_on_refuses_what_it_canno
         match=r"trainer.fused_lm_head='on' is not allowed; allowed: auto or off here \(the teacher its config sets final_logit_softcapping=30.0",
     ):
         Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask())
+
+
+def test_fused_step_with_nonfinite_teacher_logits_is_skipped(tiny_pair, tmp_path):
+    from opd_exp.training.trainer import Trainer
+
+    with torch.no_grad():
+        tiny_pair.teacher.lm_head.weight[3, 0] = float("nan")  # one logit of every position
+    cfg = small_config(trainer=dict(max_steps=2, fused_lm_head=FusedLmHead.on))
+    tr = Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask())
+    before = [p.detach().clone() for p in tiny_pair.student.parameters()]
+    metrics = tr.train_step()
+    assert metrics["grad/skipped"] == 1.0 and metrics["guard/skipped_steps"] == 1.0
+    assert all(torch.equal(a, b) for a, b in zip(before, tiny_pair.student.parameters()))
+
+
+@pytest.mark.parametrize(
+    "trainer,message",
+    [
+        (dict(parallel="ddp"), "trainer.fused_lm_head='on' is not allowed; allowed: auto or off with trainer.parallel=ddp"),
+        (dict(lora_rank=4), "trainer.fused_lm_head='on' is not allowed; allowed: auto or off with trainer.lora_rank > 0"),
+    ],
+)
+def test_fused_on_refuses_what_it_cannot_do_before_any_model_loads(trainer, message):
+    from opd_exp.config.schema import Parallel
+
+    if "parallel" in trainer:
+        trainer = dict(parallel=Parallel(trainer["parallel"]))
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        validate(small_config(trainer=dict(fused_lm_head=FusedLmHead.on, **trainer)))
