@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import opd_exp.training.rollout as rollout_mod
+import opd_exp.training.sampler as sampler_mod
 import opd_exp.training.scoring as scoring_mod
 from helpers.reliability import BASE, one_error_line, pair_args, read_metrics, run_in_process
 from opd_exp.config.world import TASKS
@@ -146,15 +147,16 @@ case("model/damaged_safetensors", 2, "the safetensors weights in")(
 
 # -- runtime: recoveries (exit 0) and the non-finite stop (exit 3) ---------------------------
 def _patch_rollout(ctx, edit):
-    real = rollout_mod.generate
+    """Edit every training rollout's batch, whichever in-process engine samples it."""
+    for mod, name in ((rollout_mod, "generate"), (sampler_mod, "lean_generate")):
 
-    def patched(*a, **kw):
-        b = real(*a, **kw)
-        if kw.get("do_sample", True):  # training rollouts (eval is greedy)
-            edit(b)
-        return b
+        def patched(*a, real=getattr(mod, name), **kw):
+            b = real(*a, **kw)
+            if kw.get("do_sample", True):  # training rollouts (eval is greedy)
+                edit(b)
+            return b
 
-    ctx.monkeypatch.setattr(rollout_mod, "generate", patched)
+        ctx.monkeypatch.setattr(mod, name, patched)
 
 
 def _finite_rows(run, err):

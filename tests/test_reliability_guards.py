@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import opd_exp.training.rollout as rollout_mod
+import opd_exp.training.sampler as sampler_mod
 import opd_exp.training.scoring as scoring_mod
 from helpers.reliability import read_metrics
 from helpers.tiny import AddTask, small_config
@@ -105,15 +106,15 @@ def test_nan_teacher_is_caught_before_the_loss_and_stops_the_run(tiny_pair, tmp_
 
 
 def test_a_batch_without_response_tokens_is_a_counted_no_op(tiny_pair, tmp_path, monkeypatch):
-    real = rollout_mod.generate
+    for mod, name in ((rollout_mod, "generate"), (sampler_mod, "lean_generate")):  # either engine
 
-    def no_tokens(*a, **kw):
-        b = real(*a, **kw)
-        if kw.get("do_sample", True):  # training rollouts only
-            b.response_mask = torch.zeros_like(b.response_mask)
-        return b
+        def no_tokens(*a, real=getattr(mod, name), **kw):
+            b = real(*a, **kw)
+            if kw.get("do_sample", True):  # training rollouts only
+                b.response_mask = torch.zeros_like(b.response_mask)
+            return b
 
-    monkeypatch.setattr(rollout_mod, "generate", no_tokens)
+        monkeypatch.setattr(mod, name, no_tokens)
     t = Trainer(small_config(trainer={"max_steps": 2}), tmp_path, pair=tiny_pair, task=AddTask())
     before = _params(t.student)
     t.run()

@@ -219,6 +219,7 @@ def test_a_checkpoint_written_before_the_redesign_still_resumes(tiny_dir, tmp_pa
         loss={"name": "ppo"},
         divergence={"name": "jsd"},
         trainer={"max_steps": 4, "save_every": 2, "eval_every": 2, "keep_checkpoints": 1},
+        rollout={"engine": "hf"},  # the engine that run sampled with (same global-RNG draws)
     )
     assert "sizes" in json.loads((OLD_RUN / "checkpoints" / "step_000002" / "manifest.json").read_text())
     straight = Trainer(small_config(**groups), tmp_path / "a", pair=load_pair(tiny_dir), task=AddTask())

@@ -133,8 +133,16 @@ class ParamDtype(Enum):
 
 
 class RolloutEngine(Enum):
+    auto = "auto"  # lean, except with trainer.parallel=fsdp (hf: sharded forwards need generate's synced_gpus)
     hf = "hf"  # transformers generate on the training copy of the model
+    lean = "lean"  # our own KV-cache decode loop on the training copy (Gumbel-max draws; no generate)
     vllm = "vllm"  # a vLLM engine (optional extra), weights synced after every update
+
+
+class FusedLmHead(Enum):
+    auto = "auto"  # fused where it wins: vocabulary >= 32768, one process, no LoRA, a plain Linear head
+    on = "on"  # always fused (a model it cannot cover is an error)
+    off = "off"  # always the materialised [N, R, V] logits
 
 
 class LoggerName(Enum):
@@ -257,8 +265,10 @@ class RolloutConfig:
     max_new_tokens: int = 40
     # GKD's lambda: share of steps whose responses the student samples (the rest: the teacher)
     on_policy_fraction: float = 1.0
-    # hf: transformers generate | vllm: a vLLM engine (pip install 'opd-exp[vllm]'; docs/scale.md)
-    engine: RolloutEngine = RolloutEngine.hf
+    # auto: lean (hf under trainer.parallel=fsdp) | hf: transformers generate | lean: our
+    # KV-cache decode loop over the same module (the same distribution, a fraction of
+    # generate's per-token overhead; docs/training.md) | vllm: a vLLM engine (pip install 'opd-exp[vllm]'; docs/scale.md)
+    engine: RolloutEngine = RolloutEngine.auto
     # vllm only: share of the GPU's memory the engine may take (the trainer needs the rest)
     vllm_gpu_memory_utilization: float = 0.3
 
@@ -348,6 +358,10 @@ class TrainerConfig:
     teacher_dtype: ParamDtype = ParamDtype.fp32
     # recompute the student's activations in backward (less memory, ~30% more compute)
     grad_checkpointing: bool = False
+    # auto | on | off: compute the LM heads, the objective and its gradient a chunk of response
+    # positions at a time from the final hidden states, so no [N, R, V] logits exist for either
+    # model (docs/training.md); auto: on for vocabularies >= 32768 where the model allows it
+    fused_lm_head: FusedLmHead = FusedLmHead.auto
     # where the teacher lives: same (the student's device) | cpu | cuda | cuda:N
     teacher_device: str = "same"
     # LoRA adapters on the student (0: off, full fine-tuning); needs peft (opd-exp[lora])
@@ -492,6 +506,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         )
     if tc.parallel is not Parallel.none and tc.device == "mps":
         _fail("trainer.device", "mps", f"auto, cpu, cuda with trainer.parallel={tc.parallel.value} (no process group backend for mps)")
+    if tc.fused_lm_head is FusedLmHead.on and tc.parallel is not Parallel.none:
+        _fail("trainer.fused_lm_head", "on", f"auto or off with trainer.parallel={tc.parallel.value} (the fused path is single-process)")
+    if tc.fused_lm_head is FusedLmHead.on and tc.lora_rank:
+        _fail("trainer.fused_lm_head", "on", "auto or off with trainer.lora_rank > 0 (a LoRA student's backbone is wrapped)")
+    if cfg.rollout.engine is RolloutEngine.lean and tc.parallel is Parallel.fsdp:
+        _fail("rollout.engine", "lean", "hf or vllm with trainer.parallel=fsdp (sharded forwards need generate's synced_gpus)")
     if cfg.rollout.engine is RolloutEngine.vllm:
         if tc.parallel is not Parallel.none:
             _fail("rollout.engine", "vllm", f"hf with trainer.parallel={tc.parallel.value} (the vLLM engine is single-process for now)")

@@ -66,13 +66,43 @@ def require_extras(cfg: TrainConfig) -> None:
 
 
 def build_student_engine(cfg: TrainConfig, student, tokenizer, vocab_size: int, *, autocast, synced_gpus: bool, warn) -> RolloutEngine:
-    """``rollout.engine``: ``hf`` samples the live module in-process; ``vllm`` a vLLM engine
-    that receives the student's weights after every update."""
+    """``rollout.engine``: ``hf`` samples the live module in-process with ``generate``; ``lean``
+    (and ``auto``) with our own KV-cache decode loop; ``vllm`` a vLLM engine that receives the
+    student's weights after every update."""
     if cfg.rollout.engine.value == "vllm":
         from opd_exp.training.rollout_vllm import VllmRollout
 
         return VllmRollout.from_config(cfg, student, tokenizer, vocab_size, warn=warn)
-    return HfRollout(student, tokenizer, cfg.rollout, vocab_size, source="student", autocast=autocast, synced_gpus=synced_gpus)
+    return in_process_engine(cfg, student, tokenizer, vocab_size, source="student", autocast=autocast, synced_gpus=synced_gpus)
+
+
+def in_process_engine(
+    cfg: TrainConfig, model, tokenizer, vocab_size: int, *, source: str, autocast, synced_gpus: bool = False
+) -> RolloutEngine:
+    """The in-process sampler of ``rollout.engine``: ``lean`` (also ``auto``, except under FSDP)
+    or ``hf`` (also with vllm: the teacher's engine). The teacher's engine (on_policy_fraction < 1)
+    follows the same choice."""
+    engine = cfg.rollout.engine.value
+    if engine == "lean" or (engine == "auto" and cfg.trainer.parallel.value != "fsdp"):
+        from opd_exp.training.sampler import LeanRollout
+
+        return LeanRollout(model, tokenizer, cfg.rollout, vocab_size, source=source, autocast=autocast)
+    return HfRollout(model, tokenizer, cfg.rollout, vocab_size, source=source, autocast=autocast, synced_gpus=synced_gpus)
+
+
+def use_fused_lm_head(cfg: TrainConfig, student, teacher, vocab_size: int) -> bool:
+    """``trainer.fused_lm_head``: on, off, or auto (on for real vocabularies where it is exact)."""
+    from opd_exp.training.fused import AUTO_MIN_VOCAB, unsupported_reason
+
+    mode, tc = cfg.trainer.fused_lm_head.value, cfg.trainer
+    if mode == "off":
+        return False
+    reason = next((f"the {who} {r}" for who, m in (("student", student), ("teacher", teacher)) if (r := unsupported_reason(m))), None)
+    if mode == "on":
+        if reason:
+            raise ConfigError(f"trainer.fused_lm_head='on' is not allowed; allowed: auto or off here ({reason})")
+        return True
+    return reason is None and tc.parallel.value == "none" and not tc.lora_rank and vocab_size >= AUTO_MIN_VOCAB
 
 
 def pair_record(pair) -> dict[str, Any]:
@@ -133,7 +163,9 @@ class Trainer:
         self.engine = build_student_engine(
             cfg, self.student, self.tokenizer, self.vocab_size, autocast=self.autocast, synced_gpus=fsdp, warn=self.warn
         )
-        self.teacher_engine = HfRollout(self.teacher, self.tokenizer, ro, self.vocab_size, source="teacher", autocast=self.autocast)
+        self.teacher_engine = in_process_engine(
+            cfg, self.teacher, self.tokenizer, self.vocab_size, source="teacher", autocast=self.autocast
+        )
         self.eval_engines = {
             "student": HfRollout(self.student, self.tokenizer, ro, self.vocab_size, autocast=self.autocast),
             "teacher": self.teacher_engine,
@@ -156,6 +188,13 @@ class Trainer:
             raise ConfigError(
                 f"trainer.eval_size={tc.eval_size} is more than the {len(evals)} eval problems of task {cfg.task.name!r}; "
                 f"allowed: 0 (the whole split) up to {len(evals)}, or a larger task.n_eval"
+            )
+        self.fused_teacher = None
+        if use_fused_lm_head(cfg, self.student, self.teacher, self.vocab_size):
+            from opd_exp.training.fused import FusedTeacher
+
+            self.fused_teacher = FusedTeacher(
+                self.teacher, self.vocab_size, temperature=cfg.divergence.temperature, device=teacher_device, autocast=self.autocast
             )
         eval_problems = evals[: tc.eval_size] if tc.eval_size else evals
         self.evaluator = Evaluator(
@@ -307,6 +346,12 @@ class Trainer:
         for i, mb in enumerate(mbs):
             if mb.num_response_tokens == 0 and not ds.active:
                 continue
+            if self.fused_teacher is not None:  # single process: no collectives to keep in step
+                with dropout_off(self.student):
+                    out, _ = self._fused(mb, batch.source == "student", n_tokens)
+                loss_total += float(out.loss)
+                tally.add(out)
+                continue
             zt = self.teacher_scorer.logits(mb)
             # Caught before the loss: a NaN teacher logit would turn the loss (and, through
             # masked positions, the gradient) into NaN with no hint where it came from.
@@ -332,6 +377,31 @@ class Trainer:
             loss_total += float(out.loss.detach())
             tally.add(out)
         return loss_total, tally
+
+    def _fused(self, mb, on_policy: bool, n_tokens: int):
+        """One micro-batch through the fused LM-head path (objective and backward, chunked)."""
+        from opd_exp.training.fused import fused_accumulate
+
+        def check(zt):
+            if (bad := nonfinite_summary(zt)) is not None:
+                raise NonFinite(f"teacher log-probs are not finite at step {self.step + 1} ({bad} teacher logits)")
+
+        ro = self.cfg.rollout
+        return fused_accumulate(
+            self.objective,
+            self.student,
+            self.fused_teacher,
+            mb,
+            vocab_size=self.vocab_size,
+            temperature=ro.temperature,
+            top_k=ro.top_k,
+            top_p=ro.top_p,
+            on_policy=on_policy,
+            normalizer=n_tokens,
+            chunk_positions=self.cfg.estimator.chunk_size,
+            autocast=self.autocast,
+            check_teacher=check,
+        )
 
     def _reduce(self, loss: float, tally: Tally) -> tuple[float, Tally]:
         """Token-weighted over ranks: sums of per-token values, divided later by the global count;

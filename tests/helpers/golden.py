@@ -26,6 +26,9 @@ EVAL_KEYS = ("eval/accuracy", "eval/jsd", "eval/kl_reverse", "eval/kl_forward")
 def golden_groups(name: str) -> dict:
     groups = {g: dict(v) for g, v in GOLDEN_RUNS[name].items()}
     groups.setdefault("trainer", {}).update(max_steps=4, eval_every=2)
+    # Recorded with HF generate drawing from torch's global RNG: another engine draws other
+    # (equally distributed) tokens, so the pinned runs name theirs.
+    groups.setdefault("rollout", {}).setdefault("engine", "hf")
     return groups
 
 

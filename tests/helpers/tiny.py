@@ -91,6 +91,7 @@ def small_config(**groups):
         ("trainer", "schedule"): S.Schedule,
         ("trainer", "precision"): S.Precision,
         ("logger", "name"): S.LoggerName,
+        ("rollout", "engine"): S.RolloutEngine,
     }
     base = {
         "trainer": dict(

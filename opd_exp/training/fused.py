@@ -1,0 +1,182 @@
+"""A fused LM-head path: the objective from final hidden states, a chunk of positions at a time.
+
+The materialised path runs both models' LM heads over every response position, so the student's
+and the teacher's ``[N, R, V]`` logits (and the student's gradient of that size) exist at once:
+~20 GB per tensor in fp32 at 32 x 1024 positions and V=151936. Here the models run only their
+backbones (``[N, R, H]`` hidden states); then, per chunk of positions, the student's chunk of
+logits is computed with grad from its hidden states and LM-head weight, the teacher's under
+no_grad inside the same loop, the SAME ``Objective`` runs on the chunk, and its backward writes
+the chunk's gradient into the hidden states' gradient buffer and the LM-head weight's ``.grad``.
+A last backward through the student's backbone finishes the step. No tensor larger than a
+chunk times V exists for either model.
+
+Exactness: the objective is a sum over response tokens (divided by the step's global count)
+and its metrics are sums, so a sum over chunks equals the whole. Per-token terms (token credit,
+teacher-sampled batches) are chunked over the flattened response positions; sequence credit
+couples a row's positions (returns sum its future), so it is chunked over whole rows.
+
+Covered: decoder-only HF models whose head is a plain ``Linear`` over the backbone's last
+hidden state (``model.base_model``), tied or untied, a head with more rows than the tokenizer
+(sliced to ``vocab_size``). Models that scale or soft-cap their logits, LoRA students and
+multi-process training use the materialised path (``trainer.fused_lm_head=auto`` picks it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from opd_exp.divergences.full import default_chunk_size
+from opd_exp.training.objective import Objective, Output, Tally
+from opd_exp.training.rollout import Batch, sampling_logits
+from opd_exp.training.scoring import token_logprobs
+
+# Below this vocabulary the [N, R, V] logits are small and the materialised path is faster
+# (one LM-head matmul instead of a Python loop over chunks): `auto` keeps it.
+AUTO_MIN_VOCAB = 32768
+
+# Config attributes of models whose logits are not plain ``hidden @ W.T + b``.
+_LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
+
+
+def unsupported_reason(model) -> str | None:
+    """Why ``model``'s logits cannot be computed from its hidden states here (None: they can)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, torch.nn.Linear):
+        return f"its output embedding is {type(head).__name__}, not a Linear LM head"
+    cfg = getattr(model, "config", None)
+    text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    for attr in _LOGIT_TRANSFORMS:
+        if getattr(text, attr, None) not in (None, 1.0):
+            return f"its config sets {attr}={getattr(text, attr)!r} (logits are transformed after the LM head)"
+    if getattr(model, "base_model", model) is model:
+        return "it has no separate backbone (model.base_model is the model itself)"
+    return None
+
+
+def response_hidden(model, batch: Batch) -> torch.Tensor:
+    """Final hidden states ``[N, R, H]`` at the positions that predict the response tokens
+    (the backbone's output, before the LM head: what ``response_logits`` multiplies by W)."""
+    R = batch.response_ids.shape[1]
+    out = model.base_model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    )
+    return out.last_hidden_state[:, -(R + 1) : -1]
+
+
+def lm_head_logits(hidden: torch.Tensor, head: torch.nn.Linear, vocab_size: int) -> torch.Tensor:
+    """``hidden @ W[:V].T + b[:V]``: the head's logits over the tokenizer's vocabulary only."""
+    bias = None if head.bias is None else head.bias[:vocab_size]
+    return torch.nn.functional.linear(hidden, head.weight[:vocab_size], bias)
+
+
+class FusedTeacher:
+    """The frozen teacher's backbone output and head, scored chunk by chunk (no ``[N, R, V]``)."""
+
+    def __init__(self, model, vocab_size: int, *, temperature: float, device, autocast=contextlib.nullcontext):
+        self.model, self.vocab_size, self.temperature = model, vocab_size, temperature
+        self.device, self.autocast = torch.device(device), autocast
+
+    @torch.no_grad()
+    def hidden(self, batch: Batch) -> torch.Tensor:
+        with self.autocast():
+            return response_hidden(self.model, batch if batch.input_ids.device == self.device else batch.to(self.device))
+
+    @torch.no_grad()
+    def chunk_logits(self, hidden: torch.Tensor, where) -> torch.Tensor:
+        """Teacher logits of a chunk divided by the divergence temperature (fp32, no grad)."""
+        with self.autocast():
+            z = lm_head_logits(hidden, self.model.get_output_embeddings(), self.vocab_size).float()
+        z = z / self.temperature if self.temperature != 1.0 else z
+        return z.to(where)
+
+
+def _chunks(mask: torch.Tensor, per_token: bool, positions: int):
+    """Index sets of the chunks: flattened response positions (per-token terms), or whole rows."""
+    N, R = mask.shape
+    if per_token:
+        flat = mask.reshape(-1).nonzero().squeeze(-1)
+        for start in range(0, flat.numel(), positions):
+            idx = flat[start : start + positions]
+            yield idx // R, idx % R
+    else:
+        rows = max(1, positions // max(R, 1))
+        for start in range(0, N, rows):
+            yield torch.arange(start, min(start + rows, N), device=mask.device), None
+
+
+def fused_accumulate(
+    objective: Objective,
+    student,
+    teacher: FusedTeacher,
+    batch: Batch,
+    *,
+    vocab_size: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    on_policy: bool,
+    normalizer: float,
+    chunk_positions: int | None = None,
+    autocast=contextlib.nullcontext,
+    check_teacher=None,
+) -> tuple[Output, torch.Tensor]:
+    """Objective, metrics and the whole backward of one micro-batch through the fused path.
+
+    Gradients land in the student's ``.grad`` (as ``objective(...).loss.backward()`` would put
+    them); the returned loss is detached. Also returns the student's log-probs ``[N, R]`` of the
+    response tokens (0 off the mask), for comparison with a rollout engine's.
+    ``check_teacher(z)``: called on each chunk of teacher logits before its backward (guards)."""
+    cfg = objective.cfg
+    mask = batch.response_mask.bool()
+    y = batch.response_ids
+    N, R = mask.shape
+    positions = chunk_positions or 2 * default_chunk_size(vocab_size)  # ~64 MiB per [chunk, V] fp32 buffer
+    per_token = not on_policy or cfg.loss.credit.value == "token"
+    head = student.get_output_embeddings()
+
+    with autocast():
+        h_student = response_hidden(student, batch)  # graph through the backbone kept for the last backward
+    h_teacher = teacher.hidden(batch)
+    h_free = h_student.detach()
+    grad_h = torch.zeros_like(h_free)
+    logprobs = None  # [N, R], in the dtype of the student's sampling logits
+    loss_total = torch.zeros((), dtype=torch.float64)
+    tally = Tally()
+    engine_lp = batch.sampling_logprobs  # an engine's log-probs of its samples, compared per chunk
+    for rows, cols in _chunks(mask, per_token, positions):
+        # per-token chunks are one pseudo-row [1, c] of response positions; row chunks keep [n, R]
+        def pick(t, rows=rows, cols=cols):
+            r = rows.to(t.device)
+            return t[r, cols.to(t.device)].unsqueeze(0) if cols is not None else t[r]
+
+        hc = pick(h_free).requires_grad_(True)
+        zt = teacher.chunk_logits(pick(h_teacher), mask.device)
+        if check_teacher is not None:
+            check_teacher(zt)
+        with autocast():
+            zs = sampling_logits(lm_head_logits(hc, head, vocab_size), temperature, top_k, top_p)
+        yc, mc = pick(y), pick(mask)
+        out = objective(
+            zs, zt, yc, mc, on_policy=on_policy, normalizer=normalizer, engine_logprobs=None if engine_lp is None else pick(engine_lp)
+        )
+        out.loss.backward()  # into head.weight.grad (and bias), and hc.grad
+        if logprobs is None:
+            logprobs = torch.zeros(N, R, dtype=zs.dtype, device=mask.device)
+        if cols is not None:
+            grad_h[rows, cols] += hc.grad.squeeze(0)
+            logprobs[rows, cols] = torch.where(mc, token_logprobs(zs.detach(), yc), 0.0).squeeze(0)
+        else:
+            grad_h[rows] += hc.grad
+            logprobs[rows] = torch.where(mc, token_logprobs(zs.detach(), yc), 0.0)
+        loss_total += out.loss.detach().double()
+        tally.add(out)
+        del zs, zt, out, hc
+    h_student.backward(grad_h)  # through the backbone (and a tied embedding's input side)
+    if logprobs is None:  # no response position at all
+        logprobs = torch.zeros(N, R, dtype=torch.float32, device=mask.device)
+    return Output(loss=loss_total.float(), sums=dict(tally), counts=tally.counts, maxes=tally.maxes), logprobs

@@ -1,0 +1,244 @@
+"""A lean in-process sampler: our own decode loop over the KV cache instead of HF ``generate``.
+
+``generate`` runs a stack of per-token machinery (logits processors, stopping criteria,
+stream and cache bookkeeping, ``torch.multinomial``) that costs about as much as the model
+forwards at the embedded size. This loop does only what a rollout needs: one prefill forward,
+then one forward per token over the cache, a draw from exactly ``sampling_logits`` (temperature,
+then top-k, then top-p), and a stop once every row has emitted an EOS.
+
+Draws are Gumbel-max over the processed logits: argmax(z + G), G = -log(-log U), is a draw
+from softmax(z), and filtered entries (``FILTERED_LOGIT``) are never chosen. With row seeds,
+row i's noise comes from its own generator, exactly as ``RowKeyedSampler`` draws it, so the
+``hf`` engine with seeds and this one pick the same tokens from the same logits. Without seeds
+the noise comes from torch's global RNG (seeded per step by the trainer).
+
+The result has ``generate``'s layout (left-padded prompts, responses from column P, pad after
+a row's first EOS, positional mask up to and including it) plus the engine's log-probs of its
+samples, which the trainer compares with its own recomputation (``rollout/logprob_gap``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from opd_exp.training.rollout import (
+    Batch,
+    RolloutEngine,
+    encode_prompts,
+    eos_token_ids,
+    positions_from_mask,
+    response_mask_from_ids,
+    sampling_logits,
+)
+
+
+def gumbel_noise(shape: tuple[int, int], generators: Sequence[torch.Generator] | None, device) -> torch.Tensor:
+    """Standard Gumbel noise [rows, V]: row i from ``generators[i]`` (as ``RowKeyedSampler``), or
+    all rows from torch's global RNG."""
+    rows, V = shape
+    if generators is None:
+        u = torch.rand(rows, V, device=device)
+    else:
+        u = torch.stack([torch.rand(V, generator=g, device=device) for g in generators])
+    return -torch.log(-torch.log(u.clamp(min=1e-20, max=1.0 - 1e-7)))
+
+
+def _cache_key(model) -> str:
+    """The forward's KV-cache argument: ``cache`` (transformers >= 5.2x) or ``past_key_values``."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class StaticDecoder:
+    """One-token decode steps of a Llama-style decoder (Qwen2, Llama) straight over its modules
+    and a preallocated KV cache: the same operations as the model's forward without the
+    per-call machinery (mask building, cache objects, output capture), which at small sizes
+    costs more than the arithmetic. ``StaticDecoder.covers(model)`` says where it applies."""
+
+    MODEL_TYPES = ("qwen2", "llama")
+
+    @classmethod
+    def covers(cls, model) -> bool:
+        cfg = getattr(model, "config", None)
+        if getattr(cfg, "model_type", None) not in cls.MODEL_TYPES or getattr(cfg, "use_sliding_window", False):
+            return False
+        if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
+            return False
+        base = getattr(model, "base_model", None)
+        layers = getattr(base, "layers", None)
+        if layers is None or not hasattr(base, "rotary_emb") or not isinstance(model.get_output_embeddings(), torch.nn.Linear):
+            return False
+        return all(hasattr(layer.self_attn, a) for layer in layers for a in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim"))
+
+    def __init__(self, model, cache, key_mask: torch.Tensor, max_new_tokens: int, vocab_size: int):
+        self.model, self.base, self.V = model, model.base_model, vocab_size
+        self.rope = sys.modules[type(self.base.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        P = key_mask.shape[1]
+        self.keys, self.values = [], []
+        for layer in cache.layers[: len(self.base.layers)]:
+            k, v = layer.keys, layer.values  # [N, kv heads, P, d]
+            K = k.new_zeros(k.shape[0], k.shape[1], P + max_new_tokens, k.shape[3])
+            Vb = v.new_zeros(v.shape[0], v.shape[1], P + max_new_tokens, v.shape[3])
+            K[:, :, :P], Vb[:, :, :P] = k, v
+            self.keys.append(K)
+            self.values.append(Vb)
+        self.mask = torch.cat([key_mask.bool(), key_mask.new_ones(key_mask.shape[0], max_new_tokens).bool()], dim=1)
+        self.length = P
+
+    def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits ``[N, V]`` after feeding ``tokens`` [N] at ``positions`` [N, 1]."""
+        base, t = self.base, self.length
+        h = base.embed_tokens(tokens[:, None])
+        cos, sin = base.rotary_emb(h, positions)
+        mask = self.mask[:, None, None, : t + 1]
+        N = h.shape[0]
+        for i, layer in enumerate(base.layers):
+            a = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = a.q_proj(x).view(N, 1, -1, a.head_dim).transpose(1, 2)
+            k = a.k_proj(x).view(N, 1, -1, a.head_dim).transpose(1, 2)
+            v = a.v_proj(x).view(N, 1, -1, a.head_dim).transpose(1, 2)
+            q, k = self.rope(q, k, cos, sin)
+            self.keys[i][:, :, t : t + 1] = k
+            self.values[i][:, :, t : t + 1] = v
+            K, Vv = self.keys[i][:, :, : t + 1], self.values[i][:, :, : t + 1]
+            rep = q.shape[1] // K.shape[1]
+            if rep > 1:
+                K, Vv = K.repeat_interleave(rep, dim=1), Vv.repeat_interleave(rep, dim=1)
+            o = torch.nn.functional.scaled_dot_product_attention(q, K, Vv, attn_mask=mask, scale=a.scaling)
+            h = h + a.o_proj(o.transpose(1, 2).reshape(N, 1, -1))
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        self.length = t + 1
+        return self.model.get_output_embeddings()(base.norm(h))[:, -1, : self.V]
+
+
+@torch.no_grad()
+def lean_generate(
+    model,
+    tokenizer,
+    prompts: Sequence[str],
+    *,
+    n_samples: int = 1,
+    max_new_tokens: int = 32,
+    max_prompt_tokens: int = 256,
+    do_sample: bool = True,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    source: str = "student",
+    vocab_size: int | None = None,
+    row_seeds: Sequence[int] | None = None,
+    min_new_tokens: int = 0,
+    static: bool | None = None,
+) -> Batch:
+    """Sample ``n_samples`` responses per prompt (rows prompt-major) with a KV-cache decode loop.
+
+    Arguments as ``rollout.generate``. Greedy (``do_sample=False``) takes the argmax of the raw
+    logits over the first ``vocab_size`` ids, as ``generate`` does. ``min_new_tokens``: EOS is
+    not allowed before that many tokens (benchmarks use it to fix the response length; the
+    distribution is then no longer ``sampling_logits``, so the trainer never sets it).
+    ``static``: decode with ``StaticDecoder`` (None: where it covers the model; False: the
+    model's own forward over its cache every token)."""
+    device = next(model.parameters()).device
+    ids, mask = encode_prompts(tokenizer, prompts, max_prompt_tokens)
+    if n_samples > 1:
+        ids = ids.repeat_interleave(n_samples, 0)
+        mask = mask.repeat_interleave(n_samples, 0)
+    ids, mask = ids.to(device), mask.to(device)
+    N, P = ids.shape
+    eos = eos_token_ids(tokenizer, model)
+    eos_t = torch.tensor(eos, device=device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    V = vocab_size or model.get_output_embeddings().weight.shape[0]
+    gens = None
+    if do_sample and row_seeds is not None:
+        if len(row_seeds) != N:
+            raise ValueError(f"row_seeds has {len(row_seeds)} seeds for {N} rows")
+        gens = [torch.Generator(device=device).manual_seed(int(s) % (2**63)) for s in row_seeds]
+
+    was_training = model.training
+    model.eval()
+    try:
+        attn = mask
+        pos = positions_from_mask(mask)
+        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=True, logits_to_keep=1)
+        key = _cache_key(model)
+        cache, last_pos = getattr(out, key), pos[:, -1:]
+        if static is None:
+            static = StaticDecoder.covers(model) and hasattr(cache, "layers")
+        decoder = StaticDecoder(model, cache, mask, max_new_tokens, V) if static else None
+        raw = out.logits[:, -1, :V]
+        done = torch.zeros(N, dtype=torch.bool, device=device)
+        tokens, logprobs = [], []
+        for i in range(max_new_tokens):
+            if i < min_new_tokens:
+                raw = raw.float().index_fill(-1, eos_t, float("-inf"))
+            if do_sample:
+                z = sampling_logits(raw, temperature, top_k, top_p)
+                nxt = (z + gumbel_noise((N, V), gens, device)).argmax(-1)
+                logprobs.append(z.gather(-1, nxt[:, None]).squeeze(-1) - torch.logsumexp(z, -1))
+            else:
+                nxt = raw.argmax(-1)
+            nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
+            tokens.append(nxt)
+            done = done | torch.isin(nxt, eos_t)
+            if i == max_new_tokens - 1 or bool(done.all()):
+                break
+            last_pos = last_pos + 1
+            if decoder is not None:
+                raw = decoder.step(nxt, last_pos)
+                continue
+            attn = torch.cat([attn, attn.new_ones(N, 1)], dim=1)
+            out = model(input_ids=nxt[:, None], attention_mask=attn, position_ids=last_pos, use_cache=True, **{key: cache})
+            cache = getattr(out, key)
+            raw = out.logits[:, -1, :V]
+    finally:
+        model.train(was_training)
+
+    response = torch.stack(tokens, dim=1)
+    full_mask = torch.cat([mask, torch.ones_like(response)], dim=1)
+    response_mask = response_mask_from_ids(response, eos)
+    return Batch(
+        input_ids=torch.cat([ids, response], dim=1),
+        attention_mask=full_mask,
+        position_ids=positions_from_mask(full_mask),
+        prompt_len=P,
+        response_mask=response_mask,
+        prompt_index=torch.arange(len(prompts), device=device).repeat_interleave(n_samples),
+        source=source,
+        sampling_logprobs=torch.stack(logprobs, dim=1).masked_fill(~response_mask, 0.0) if do_sample else None,
+    )
+
+
+class LeanRollout(RolloutEngine):
+    """In-process sampling with ``lean_generate`` over the trainer's own module
+    (``rollout.engine=lean``). Covers decoder-only HF models whose forward takes
+    ``position_ids``, ``past_key_values`` and ``logits_to_keep``; ``hf`` covers the rest."""
+
+    def __init__(self, model, tokenizer, rollout_cfg, vocab_size: int, *, source: str = "student", autocast=contextlib.nullcontext):
+        self.model, self.tokenizer, self.cfg, self.vocab_size = model, tokenizer, rollout_cfg, vocab_size
+        self.source, self.autocast = source, autocast
+
+    def generate(self, prompts, seeds=None, *, n_samples=1, greedy=False) -> Batch:
+        ro = self.cfg
+        with self.autocast():
+            return lean_generate(
+                self.model,
+                self.tokenizer,
+                prompts,
+                n_samples=n_samples,
+                do_sample=not greedy,
+                max_new_tokens=ro.max_new_tokens,
+                max_prompt_tokens=ro.max_prompt_tokens,
+                temperature=ro.temperature,
+                top_k=ro.top_k,
+                top_p=ro.top_p,
+                source=self.source,
+                vocab_size=self.vocab_size,
+                row_seeds=None if greedy else seeds,
+            )
