@@ -25,6 +25,14 @@ from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.trainer import Trainer
 
 MINI = Path(__file__).resolve().parents[1] / "opd_exp" / "data" / "gsm8k_mini.jsonl"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def options(folder: Path) -> str:
+    """The options a config folder offers, as the error lists them."""
+    return ", ".join(sorted(p.stem for p in folder.glob("*.yaml")))
+
+
 QUICK = ["trainer.max_steps=2"]
 FAKE_WANDB_KEY = "fedcba9876543210fedcba9876543210fedcba98"
 FAKE_HF_TOKEN = "hf_AdVeRsArIaLtOkEn1234567890xyz"
@@ -99,7 +107,7 @@ def test_a_misspelt_sweep_fails_instead_of_running_one_default_job(local_pair_di
     args = quick(local_pair_dir, "sweep=divergenc", f"hydra.sweep.dir={tmp_path / 'sweep'}")
     code, _, err = run_cli(["-m", *args], monkeypatch, capsys)
     assert code == 2, err
-    assert "opd-train: error: sweep=divergenc: no such option; allowed: divergence, estimator, jsd_beta, on_policy" in err
+    assert f"opd-train: error: sweep=divergenc: no such option; allowed: {options(ROOT / 'sweeps' / 'sweep')}" in err
     assert "1 of 1 jobs of the multirun failed" in err
     assert "Error executing job" not in err and "Traceback" not in err
 
@@ -116,7 +124,8 @@ def test_a_misspelt_sweep_fails_instead_of_running_one_default_job(local_pair_di
         ),
         (
             ["~model_pair"],
-            "model_pair: has no value (removed with `~model_pair`?); allowed: model_pair=<option> with one of: embedded, local",
+            "model_pair: has no value (removed with `~model_pair`?); allowed: model_pair=<option> with one of: "
+            + options(ROOT / "conf" / "model_pair"),
         ),
         (["name=café"], "the override holds the non-ASCII character 'é', which Hydra reads only inside quotes; allowed: a quoted value"),
         (["trainer.grad_clip=inf"], "trainer.grad_clip=inf is not allowed; allowed: a finite number >= 0, the largest gradient norm kept"),
