@@ -162,7 +162,8 @@ def test_fused_training_steps_equal_materialised_steps(tiny_pair, tmp_path):
 
 
 def test_auto_keeps_small_vocabularies_materialised_and_on_refuses_what_it_cannot_cover(tiny_pair, tmp_path):
-    from opd_exp.training.trainer import Trainer, use_fused_lm_head
+    from opd_exp.training.engines import use_fused_lm_head
+    from opd_exp.training.trainer import Trainer
 
     assert not use_fused_lm_head(small_config(), tiny_pair.student, tiny_pair.teacher, tiny_pair.vocab_size)  # V=18
     assert use_fused_lm_head(small_config(), tiny_pair.student, tiny_pair.teacher, 65536)

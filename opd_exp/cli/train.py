@@ -110,7 +110,8 @@ def _train(typed: TrainConfig, run_dir: Path) -> float:
             from opd_exp.sinks.tracking import WandbSink
 
             sinks.append(WandbSink.from_config(typed, run_dir))
-        from opd_exp.training.trainer import Trainer, require_extras  # heavy imports only after the config is known good
+        from opd_exp.training.engines import require_extras  # heavy imports only after the config is known good
+        from opd_exp.training.trainer import Trainer
 
         require_extras(typed)
         trainer = Trainer(typed, run_dir, sinks=sinks, **build_inputs(typed))

@@ -1,0 +1,85 @@
+"""Engines picked once from config: which rollout engine samples for the student and for the
+teacher, whether the LM heads run fused, and what a run records of its pair. The loop asks
+none of these again."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from opd_exp.config.schema import TrainConfig
+from opd_exp.runtime import files
+from opd_exp.runtime import precision as prec
+from opd_exp.runtime.errors import ConfigError
+from opd_exp.training.rollout import HfRollout, RolloutEngine
+
+
+def require_extras(cfg: TrainConfig) -> None:
+    """Optional packages the config needs (peft for LoRA, vllm for its engine): one line each,
+    before any model loads."""
+    prec.require_peft(cfg.trainer)
+    if cfg.rollout.engine.value == "vllm":
+        from opd_exp.training.rollout_vllm import require_vllm
+
+        require_vllm()
+
+
+def build_student_engine(cfg: TrainConfig, student, tokenizer, vocab_size: int, *, autocast, synced_gpus: bool, warn) -> RolloutEngine:
+    """``rollout.engine``: ``hf`` samples the live module in-process with ``generate``; ``lean``
+    (and ``auto``) with our own KV-cache decode loop; ``vllm`` a vLLM engine that receives the
+    student's weights after every update."""
+    if cfg.rollout.engine.value == "vllm":
+        from opd_exp.training.rollout_vllm import VllmRollout
+
+        return VllmRollout.from_config(cfg, student, tokenizer, vocab_size, warn=warn)
+    return in_process_engine(cfg, student, tokenizer, vocab_size, source="student", autocast=autocast, synced_gpus=synced_gpus)
+
+
+def in_process_engine(
+    cfg: TrainConfig, model, tokenizer, vocab_size: int, *, source: str, autocast, synced_gpus: bool = False
+) -> RolloutEngine:
+    """The in-process sampler of ``rollout.engine``: ``lean`` (also ``auto``, except under FSDP)
+    or ``hf`` (also with vllm: the teacher's engine). The teacher's engine (on_policy_fraction < 1)
+    follows the same choice."""
+    engine = cfg.rollout.engine.value
+    if engine == "lean" or (engine == "auto" and cfg.trainer.parallel.value != "fsdp"):
+        from opd_exp.training.sampler import LeanRollout
+
+        return LeanRollout(model, tokenizer, cfg.rollout, vocab_size, source=source, autocast=autocast)
+    return HfRollout(model, tokenizer, cfg.rollout, vocab_size, source=source, autocast=autocast, synced_gpus=synced_gpus)
+
+
+def use_fused_lm_head(cfg: TrainConfig, student, teacher, vocab_size: int) -> bool:
+    """``trainer.fused_lm_head``: on, off, or auto (on for real vocabularies where it is exact)."""
+    from opd_exp.training.fused import AUTO_MIN_VOCAB, unsupported_reason
+
+    mode, tc = cfg.trainer.fused_lm_head.value, cfg.trainer
+    if mode == "off":
+        return False
+    reason = next((f"the {who} {r}" for who, m in (("student", student), ("teacher", teacher)) if (r := unsupported_reason(m))), None)
+    if mode == "on":
+        if reason:
+            raise ConfigError(f"trainer.fused_lm_head='on' is not allowed; allowed: auto or off here ({reason})")
+        return True
+    return reason is None and tc.parallel.value == "none" and not tc.lora_rank and vocab_size >= AUTO_MIN_VOCAB
+
+
+def pair_record(pair) -> dict[str, Any]:
+    """The prepared pair this run trained: per model its cache hash and the accuracies
+    measured when it was built (a prepared pair differs between machines: same recipe,
+    teacher 0.940 on one, 0.975 on another). Folders that are not prepared entries: their path."""
+    out: dict[str, Any] = {}
+    for role in ("teacher", "student"):
+        path = getattr(pair, f"{role}_path", None)
+        if not path:
+            continue
+        manifest = Path(path) / files.CACHE_MANIFEST
+        try:
+            m = json.loads(manifest.read_text())
+        except (OSError, ValueError):
+            out[role] = {"path": str(path)}
+            continue
+        info = m.get("info", {})
+        out[role] = {"hash": m.get("hash"), **{k: info[k] for k in ("accuracy", "format_rate", "n_check") if k in info}}
+    return out
