@@ -155,7 +155,8 @@ class Trainer:
         self._session: dict[str, Any] = {"session": "start", "from_step": 0}
 
     def _eval_divergences(self) -> dict:
-        """The fixed eval divergences (one axis for every variant), plus ``eval/<name>``: the
+        """The fixed eval divergences (the two KLs, and JSD at ``metric_beta``: the variant's own beta
+        for jsd, 0.5 otherwise, as ``jsd/mean``), plus ``eval/<name>``: the
         trained divergence at its own parameters (what this variant optimises). When it equals
         one of the fixed ones (jsd at its beta, rkl, fkl) it is that value, not a second pass."""
         cfg = self.cfg
