@@ -18,7 +18,7 @@
 #
 # Reads the lab sweeps' folders (`multirun/lab_<claim>/<model_pair>/`, written by
 # `opd-train -m sweep=lab_<claim>`), prints per claim the table of final eval values
-# (mean ± 95% CI over seeds, Student's t), and draws the eval curves with the seeds as a band
+# (mean ± 95% CI over seeds, Student's t), and draws the eval curves with the spread over seeds as a band
 # into `docs/results/lab_<claim>.png`. A sweep whose folder is missing is skipped.
 #
 # `OPD_LAB_ROOT` (default: `multirun`, or `../multirun` from `notebooks/`) is where the sweep

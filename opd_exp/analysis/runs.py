@@ -531,7 +531,7 @@ def plot_curves(
     teacher: bool = True,
     ncols: int = 3,
 ):
-    """One panel per metric, one line per variant (mean over seeds) with the seeds as a
+    """One panel per metric, one line per variant (mean over seeds) with the spread over seeds as a
     band (``range``: min..max over seeds; ``std``: mean ± std). Returns the Figure.
 
     ``smooth``: per-step training metrics (not ``eval/*``) are EMA-smoothed (True: a span of
