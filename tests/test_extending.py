@@ -192,3 +192,19 @@ def test_a_registered_divergence_and_task_train_through_opd_train(local_pair_dir
     assert summary["eval/jeffreys"] == evals[-1]["eval/jeffreys"]
     assert summary["eval/jeffreys_before"] == evals[0]["eval/jeffreys"]
     assert summary["pair"] == {"teacher": {"path": str(local_pair_dir / "teacher")}, "student": {"path": str(local_pair_dir / "student")}}
+
+
+def test_an_extension_to_another_divergence_keeps_its_before_value(tiny_pair, tmp_path):
+    """fkl for 2 steps, then extended with divergence=rkl: eval/rkl_before is the run's step-0
+    eval/kl_reverse (the same divergence under its fixed name), not missing."""
+    import copy
+
+    from helpers.tiny import AddTask, small_config
+    from opd_exp.training.trainer import Trainer
+
+    pair2 = copy.deepcopy(tiny_pair)
+    Trainer(small_config(trainer={"max_steps": 2, "save_every": 1}), tmp_path, pair=tiny_pair, task=AddTask()).run()
+    cfg = small_config(trainer={"max_steps": 3, "save_every": 1, "extend": True}, divergence={"name": "rkl"})
+    summary = Trainer(cfg, tmp_path, pair=pair2, task=AddTask()).run()
+    assert summary["eval/rkl_before"] == summary["eval/kl_reverse_before"]
+    assert summary["eval/rkl"] == summary["eval/kl_reverse"]

@@ -18,7 +18,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers.reliability import BASE, comparable, one_error_line, pair_args, popen, read_metrics, run_in_process
+from helpers.reliability import BASE, comparable, one_error_line, pair_args, popen, read_metrics, run_cli, run_in_process
 from helpers.tiny import AddTask, small_config
 from opd_exp.runtime import checkpoint, files
 from opd_exp.runtime.errors import ConfigError
@@ -37,22 +37,6 @@ QUICK = ["trainer.max_steps=2"]
 FAKE_WANDB_KEY = "fedcba9876543210fedcba9876543210fedcba98"
 FAKE_HF_TOKEN = "hf_AdVeRsArIaLtOkEn1234567890xyz"
 FAKE_SK = "sk-proj-AdversarialKey1234567890abcd"
-
-
-def run_cli(args: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
-    """`opd-train ARGS` in this process (multirun-capable: no hydra.run.dir appended)."""
-    from opd_exp.cli.train import main
-
-    monkeypatch.setattr(sys, "argv", ["opd-train", *args])
-    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
-    capsys.readouterr()
-    try:
-        main()
-        code = 0
-    except SystemExit as ex:
-        code = ex.code if isinstance(ex.code, int) else (0 if ex.code is None else 1)
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def no_model_loads(monkeypatch):

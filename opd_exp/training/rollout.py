@@ -460,9 +460,7 @@ class HfRollout(RolloutEngine):
     def generate(self, prompts, seeds=None, *, n_samples=1, greedy=False) -> Batch:
         ro = self.cfg
         with self.autocast():
-            return generate(
-                self.model,
-                self.tokenizer,
+            return self._sample(
                 prompts,
                 n_samples=n_samples,
                 do_sample=not greedy,
@@ -474,5 +472,9 @@ class HfRollout(RolloutEngine):
                 source=self.source,
                 vocab_size=self.vocab_size,
                 row_seeds=None if greedy else seeds,
-                synced_gpus=self.synced_gpus and not greedy,
             )
+
+    def _sample(self, prompts, **kw) -> Batch:
+        """The decode loop itself: HF ``generate`` (subclasses bring their own)."""
+        synced = self.synced_gpus and kw["do_sample"]
+        return generate(self.model, self.tokenizer, prompts, synced_gpus=synced, **kw)

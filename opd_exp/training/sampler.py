@@ -28,7 +28,7 @@ import torch
 
 from opd_exp.training.rollout import (
     Batch,
-    RolloutEngine,
+    HfRollout,
     encode_prompts,
     eos_token_ids,
     positions_from_mask,
@@ -215,30 +215,13 @@ def lean_generate(
     )
 
 
-class LeanRollout(RolloutEngine):
+class LeanRollout(HfRollout):
     """In-process sampling with ``lean_generate`` over the trainer's own module
     (``rollout.engine=lean``). Covers decoder-only HF models whose forward takes
     ``position_ids``, ``past_key_values`` and ``logits_to_keep``; ``hf`` covers the rest."""
 
     def __init__(self, model, tokenizer, rollout_cfg, vocab_size: int, *, source: str = "student", autocast=contextlib.nullcontext):
-        self.model, self.tokenizer, self.cfg, self.vocab_size = model, tokenizer, rollout_cfg, vocab_size
-        self.source, self.autocast = source, autocast
+        super().__init__(model, tokenizer, rollout_cfg, vocab_size, source=source, autocast=autocast)
 
-    def generate(self, prompts, seeds=None, *, n_samples=1, greedy=False) -> Batch:
-        ro = self.cfg
-        with self.autocast():
-            return lean_generate(
-                self.model,
-                self.tokenizer,
-                prompts,
-                n_samples=n_samples,
-                do_sample=not greedy,
-                max_new_tokens=ro.max_new_tokens,
-                max_prompt_tokens=ro.max_prompt_tokens,
-                temperature=ro.temperature,
-                top_k=ro.top_k,
-                top_p=ro.top_p,
-                source=self.source,
-                vocab_size=self.vocab_size,
-                row_seeds=None if greedy else seeds,
-            )
+    def _sample(self, prompts, **kw) -> Batch:
+        return lean_generate(self.model, self.tokenizer, prompts, **kw)

@@ -572,7 +572,9 @@ class Trainer:
         return dist_util.any_rank(preempt.requested, self.dist)
 
     def summary(self) -> dict[str, Any]:
-        before, after = self.state.eval_before, self.state.eval_last
+        before, after = dict(self.state.eval_before), self.state.eval_last
+        if self._own_alias in before:  # an extension that switched divergence: its value under the fixed name
+            before.setdefault(self.own_eval_key, before[self._own_alias])
         out: dict[str, Any] = {"steps": self.step, "elapsed_s": round(self.state.elapsed_s, 1)}
         for key in dict.fromkeys(("eval/accuracy", "eval/kl_reverse", "eval/kl_forward", "eval/jsd", self.own_eval_key)):
             if key in before:

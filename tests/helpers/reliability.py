@@ -48,11 +48,11 @@ BASE = [
 ]
 
 
-def run_in_process(args: list[str], run_dir: Path, monkeypatch, capsys) -> tuple[int, str, str]:
-    """`opd-train ARGS hydra.run.dir=RUN` via opd_exp.cli.train.main: (exit code, stdout, stderr)."""
+def run_cli(args: list[str], monkeypatch, capsys) -> tuple[int, str, str]:
+    """`opd-train ARGS` via opd_exp.cli.train.main in this process: (exit code, stdout, stderr)."""
     from opd_exp.cli.train import main
 
-    monkeypatch.setattr(sys, "argv", ["opd-train", *args, f"hydra.run.dir={run_dir}"])
+    monkeypatch.setattr(sys, "argv", ["opd-train", *args])
     monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
     capsys.readouterr()
     try:
@@ -62,6 +62,11 @@ def run_in_process(args: list[str], run_dir: Path, monkeypatch, capsys) -> tuple
         code = ex.code if isinstance(ex.code, int) else (0 if ex.code is None else 1)
     out = capsys.readouterr()
     return code, out.out, out.err
+
+
+def run_in_process(args: list[str], run_dir: Path, monkeypatch, capsys) -> tuple[int, str, str]:
+    """`opd-train ARGS hydra.run.dir=RUN` in this process (see ``run_cli``)."""
+    return run_cli([*args, f"hydra.run.dir={run_dir}"], monkeypatch, capsys)
 
 
 def popen(args: list[str], run_dir: Path, **kw) -> subprocess.Popen:
