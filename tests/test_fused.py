@@ -161,6 +161,35 @@ def test_fused_training_steps_equal_materialised_steps(tiny_pair, tmp_path):
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
 
 
+@pytest.mark.parametrize("rollout", [{}, {"temperature": 0.7, "top_k": 5}], ids=["plain", "filtered"])
+def test_eval_through_the_fused_path_equals_materialised_eval(tiny_pair, tmp_path, monkeypatch, rollout):
+    """Eval (greedy responses: exact divergences; k samples: entropy) takes the fused path when
+    training does, never holding [N, R, V] logits, and gives the materialised eval's numbers."""
+    from opd_exp.training import scoring
+    from opd_exp.training.trainer import Trainer
+
+    results = {}
+    for mode in (FusedLmHead.off, FusedLmHead.on):
+        cfg = small_config(
+            divergence={"name": "rkl"},
+            rollout=rollout,
+            trainer=dict(fused_lm_head=mode, eval_samples=3, eval_batch_size=4),
+            estimator=dict(chunk_size=5),
+        )
+        tr = Trainer(cfg, tmp_path / mode.value, pair=copy.deepcopy(tiny_pair), task=AddTask())
+        calls = []
+        inner = scoring.response_logits
+        monkeypatch.setattr(scoring, "response_logits", lambda *a, **k: calls.append(1) or inner(*a, **k))
+        results[mode] = tr.evaluate()
+        monkeypatch.setattr(scoring, "response_logits", inner)
+        assert bool(calls) == (mode is FusedLmHead.off)  # the fused eval never runs an LM head over [N, R]
+    off, on = results[FusedLmHead.off], results[FusedLmHead.on]
+    assert sorted(off) == sorted(on)
+    for k in off:
+        assert on[k] == pytest.approx(off[k], rel=1e-5, abs=1e-7), k
+    assert "eval/kl_reverse" in on and "eval/entropy" in on and ("eval/kl_forward" in on) == (not rollout)
+
+
 def test_auto_keeps_small_vocabularies_materialised_and_on_refuses_what_it_cannot_cover(tiny_pair, tmp_path):
     from opd_exp.training.engines import use_fused_lm_head
     from opd_exp.training.trainer import Trainer

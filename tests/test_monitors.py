@@ -10,8 +10,8 @@ import torch
 
 from helpers.tiny import AddTask, small_config
 from opd_exp.divergences import get_divergence
+from opd_exp.training.monitors import agreement
 from opd_exp.training.objective import Objective
-from opd_exp.training.scoring import agreement
 
 
 def test_exact_metrics_are_the_divergences_full_on_the_batch():
@@ -32,6 +32,28 @@ def test_exact_metrics_are_the_divergences_full_on_the_batch():
     cfg.trainer.exact_metrics = False  # the switch for very large vocabularies
     off = Objective(cfg)(zs, zt, y, mask, on_policy=True, normalizer=1)
     assert not any(k.startswith("exact/") for k in off.sums)
+
+
+@pytest.mark.parametrize("on_policy", [True, False])
+@pytest.mark.parametrize("div", [{"name": "rkl"}, {"name": "fkl"}, {"name": "jsd", "beta": 0.5}, {"name": "jsd", "beta": 0.3}])
+def test_exact_metrics_reuse_the_losss_exact_value_only_where_it_is_the_same_divergence(div, on_policy):
+    """estimator=full (and every teacher-sampled step) already computes the trained divergence
+    exactly; the monitors take it from there instead of computing it again, and every exact/*
+    value is still the divergence's own full() on the batch, in the same monitor pass."""
+    cfg = small_config(divergence=div, estimator={"name": "full"}, loss={"name": "direct"})
+    g = torch.Generator().manual_seed(1)
+    zs, zt = 2 * torch.randn(4, 6, 13, generator=g), 2 * torch.randn(4, 6, 13, generator=g)
+    y = torch.randint(0, 13, (4, 6), generator=g)
+    mask = torch.rand(4, 6, generator=g) > 0.25
+    out = Objective(cfg)(zs, zt, y, mask, on_policy=on_policy, normalizer=int(mask.sum()))
+    for key, d in (
+        ("exact/jsd", get_divergence("jsd", beta=div.get("beta", 0.5))),
+        ("exact/kl_reverse", get_divergence("rkl")),
+        ("exact/kl_forward", get_divergence("fkl")),
+    ):
+        assert out.sums[key] == pytest.approx(float(d.full(zs, zt, mask=mask).sum()), rel=1e-6), key
+    d = get_divergence(div["name"], **{k: v for k, v in div.items() if k != "name"})
+    assert float(out.loss) * int(mask.sum()) == pytest.approx(float(d.full(zs, zt, mask=mask).sum()), rel=1e-6)
 
 
 def test_overlap_by_hand():

@@ -9,7 +9,7 @@ generation config or tokenizer — so their numbers agree on any pair.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -57,6 +57,23 @@ def evaluate_accuracy(
     ro = SimpleNamespace(max_new_tokens=max_new_tokens, max_prompt_tokens=UNCAPPED_PROMPT_TOKENS, temperature=1.0, top_k=0, top_p=1.0)
     engine = HfRollout(model, tokenizer, ro, vocab_size=len(tokenizer))
     return accuracy(engine, tokenizer, task, problems, batch_size, return_completions=return_completions)
+
+
+# What ``Evaluator`` needs per batch: sums over its response positions of each divergence
+# (name -> Divergence) and of the student's entropy (key ``ENTROPY``).
+PositionSums = Callable[[Batch, Mapping[str, Divergence]], dict[str, float]]
+ENTROPY = "entropy"
+
+
+def logit_sums(
+    student_z: torch.Tensor, teacher_z: torch.Tensor | None, mask: torch.Tensor, divergences, chunk_size=None
+) -> dict[str, float]:
+    """Sums over the masked positions of each divergence's exact value and of the student's
+    entropy, from materialised logits ``[..., V]``."""
+    m = mask.bool()
+    out = {name: float(d.full(student_z, teacher_z, mask=m, chunk_size=chunk_size).sum()) for name, d in divergences.items()}
+    out[ENTROPY] = float(entropy(student_z)[m].sum())
+    return out
 
 
 # Row seeds of the eval samples: the same draws at every eval, so curves compare like with like.
@@ -110,11 +127,19 @@ class Evaluator:
         chunk_size=None,
         on_prompts: Callable[[list[str]], Any] | None = None,
         samples: int = 0,
+        position_sums: PositionSums | None = None,
     ):
         self.task, self.tokenizer, self.problems, self.batch_size = task, tokenizer, list(problems), batch_size
         self.samples = samples
         self.divergences, self.student_logits, self.teacher, self.chunk_size = divergences, student_logits, teacher, chunk_size
         self.on_prompts = on_prompts  # sees every rendered prompt (the trainer counts over-long ones)
+        # the fused LM-head path passes its own (no [N, R, V] logits); by default both models' logits
+        self.position_sums = position_sums or self._materialised_sums
+
+    def _materialised_sums(self, batch: Batch, divergences: Mapping[str, Divergence]) -> dict[str, float]:
+        zs = self.student_logits(batch)
+        zt = self.teacher.logits(batch) if divergences else None  # the entropy alone needs no teacher
+        return logit_sums(zs, zt, batch.response_mask, divergences, self.chunk_size)
 
     def _batches(self, engine):
         for chunk, batch in greedy_batches(engine, self.tokenizer, self.task, self.problems, self.batch_size):
@@ -136,11 +161,9 @@ class Evaluator:
             batch = batch.to(device)
             texts = decode_responses(self.tokenizer, batch)
             correct += sum(bool(self.task.verify(t, p.answer)) for t, p in zip(texts, chunk))
-            zt = self.teacher.logits(batch)
-            zs = self.student_logits(batch)
-            m = batch.response_mask.bool()
-            for name, d in self.divergences.items():
-                sums[name] += float(d.full(zs, zt, mask=m, chunk_size=self.chunk_size).sum())
+            for name, v in self.position_sums(batch, self.divergences).items():
+                if name != ENTROPY:
+                    sums[name] += v
             n_tok += batch.num_response_tokens
         out = {k: v / max(n_tok, 1) for k, v in sums.items()}
         out["eval/accuracy"] = correct / max(len(self.problems), 1)
@@ -164,9 +187,7 @@ class Evaluator:
             seeds = [EVAL_SAMPLE_SEED + (start + i) * k + j for i in range(len(chunk)) for j in range(k)]
             batch = engine.generate(prompts, seeds, n_samples=k).to(device)
             texts = decode_responses(self.tokenizer, batch)
-            zs = self.student_logits(batch)
-            m = batch.response_mask.bool()
-            ent_sum += float(entropy(zs)[m].sum())
+            ent_sum += self.position_sums(batch, {})[ENTROPY]
             n_tok += batch.num_response_tokens
             for i, p in enumerate(chunk):
                 rows = texts[i * k : (i + 1) * k]

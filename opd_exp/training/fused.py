@@ -24,13 +24,14 @@ multi-process training use the materialised path (``trainer.fused_lm_head=auto``
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 
 import torch
 
 from opd_exp.divergences.full import default_chunk_size
 from opd_exp.training.objective import Objective, Output, Tally
 from opd_exp.training.rollout import Batch, sampling_logits
-from opd_exp.training.scoring import token_logprobs
+from opd_exp.training.scoring import entropy, token_logprobs
 
 # Below this vocabulary the [N, R, V] logits are small and the materialised path is faster
 # (one LM-head matmul instead of a Python loop over chunks): `auto` keeps it.
@@ -180,3 +181,39 @@ def fused_accumulate(
     if logprobs is None:  # no response position at all
         logprobs = torch.zeros(N, R, dtype=torch.float32, device=mask.device)
     return Output(loss=loss_total.float(), sums=dict(tally), counts=tally.counts, maxes=tally.maxes), logprobs
+
+
+@torch.no_grad()
+def fused_position_sums(
+    student,
+    teacher: FusedTeacher,
+    batch: Batch,
+    divergences: Mapping,
+    *,
+    vocab_size: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    chunk_positions: int | None = None,
+    autocast=contextlib.nullcontext,
+) -> dict[str, float]:
+    """Evaluation through the fused path: sums over the response positions of each divergence's
+    exact value and of the student's entropy (key ``entropy``), the logits of both models
+    computed a chunk of positions at a time from their hidden states (no ``[N, R, V]``)."""
+    mask = batch.response_mask.bool()
+    positions = chunk_positions or 2 * default_chunk_size(vocab_size)
+    head = student.get_output_embeddings()
+    with autocast():
+        h_student = response_hidden(student, batch)
+    h_teacher = teacher.hidden(batch) if divergences else None  # the entropy alone needs no teacher
+    sums = dict.fromkeys(divergences, 0.0)
+    sums["entropy"] = 0.0
+    for rows, cols in _chunks(mask, True, positions):
+        with autocast():
+            zs = sampling_logits(lm_head_logits(h_student[rows, cols], head, vocab_size), temperature, top_k, top_p)
+        if h_teacher is not None:
+            zt = teacher.chunk_logits(h_teacher[rows.to(h_teacher.device), cols.to(h_teacher.device)], mask.device)
+            for name, d in divergences.items():
+                sums[name] += float(d.full(zs, zt).sum())
+        sums["entropy"] += float(entropy(zs).sum())
+    return sums

@@ -36,7 +36,8 @@ import torch
 
 from opd_exp.config.schema import Credit, EstimatorName, LossName, TrainConfig
 from opd_exp.divergences import filtered_value, get_divergence, sequence_returns, topk_estimate
-from opd_exp.training.scoring import agreement, entropy, teacher_topk, token_logprobs
+from opd_exp.training.monitors import step_monitors
+from opd_exp.training.scoring import teacher_topk, token_logprobs
 
 # Per-token metrics summed over response tokens (divide by the global token count).
 TOKEN_METRICS = (
@@ -159,20 +160,32 @@ class Objective:
             d_exact = self.div.full(student_z, teacher_z, mask=m, chunk_size=chunk)
             per_token = kl_coef * d_exact
             advantages = -kl_coef * d_exact.detach()
-            clipped = None
+            clipped, trained_exact = None, d_exact.detach()
         else:
-            per_token, advantages, clipped = self._on_policy(student_z, teacher_z, response_ids, m, s, t)
+            per_token, advantages, clipped, trained_exact = self._on_policy(student_z, teacher_z, response_ids, m, s, t)
 
         counted = position_mask(m, cfg.loss.positions.value, cfg.loss.position_fraction)
         loss = torch.where(counted, per_token, zero).sum() / max(float(normalizer), 1.0)
 
         with torch.no_grad():
             zs = student_z.detach()
-            exact = {}
-            if cfg.trainer.exact_metrics or not on_policy:
-                for name, d in zip(EXACT_METRICS, (self.jsd, self.rkl, self.fkl)):
-                    if not (self.filtered and name in FORWARD_KL_METRICS):  # infinite: not computed
-                        exact[name] = d.full(zs, teacher_z, mask=m, chunk_size=chunk)
+            exact_names = ()
+            if cfg.trainer.exact_metrics or not on_policy:  # forward KL is infinite under a filter: not computed
+                exact_names = tuple(n for n in EXACT_METRICS if not (self.filtered and n in FORWARD_KL_METRICS))
+            # rkl and fkl first: jsd's rows_value works in place on the buffers it gets
+            order = {"exact/kl_reverse": self.rkl, "exact/kl_forward": self.fkl, "exact/jsd": self.jsd}
+            # the exact value the loss already computed (estimator=full, or a teacher-sampled step)
+            # is not computed twice: the same chunks through the same rows_value
+            known = {n: trained_exact for n, d in order.items() if trained_exact is not None and repr(d) == repr(self.div)}
+            mon = step_monitors(
+                zs,
+                teacher_z,
+                m,
+                divergences={n: d for n, d in order.items() if n in exact_names and n not in known},
+                k=cfg.trainer.overlap_k,
+                chunk_rows=chunk,
+            )
+            exact = {n: known.get(n, mon.get(n)) for n in exact_names}
             if on_policy:  # unbiased single-sample estimates under y ~ S
                 jsd, rkl = (self.value(d, s0, t, zs, teacher_z, m) for d in (self.jsd, self.rkl))
                 fkl = None if self.filtered else self.fkl.token_value(s0, t)
@@ -185,11 +198,11 @@ class Objective:
                 "advantages/mean": advantages,
                 "student/logprob_mean": s0,
                 "teacher/logprob_mean": t,
-                "student/entropy": entropy(zs),
+                "student/entropy": mon["student/entropy"],
             }
             if cfg.trainer.exact_metrics:
                 values.update(exact)
-            values.update(zip(AGREEMENT_METRICS, agreement(zs, teacher_z, cfg.trainer.overlap_k)))
+            values.update({n: mon[n] for n in AGREEMENT_METRICS})
             if self.filtered:
                 for k in FORWARD_KL_METRICS:
                     values.pop(k, None)
@@ -232,7 +245,7 @@ class Objective:
             else:
                 per_token = -advantages * s
             clipped = self.div.clipped(s0, t) if self.report_clip else None
-            return per_token, advantages, clipped
+            return per_token, advantages, clipped, None
 
         clipped = None
         if est is EstimatorName.full:
@@ -255,7 +268,8 @@ class Objective:
         else:
             future = torch.zeros_like(value)
             per_token = kl_coef * surrogate
-        return per_token, -kl_coef * (value + future), clipped
+        # the exact D per position, for the monitors (estimator=full only; topk's value is an estimate)
+        return per_token, -kl_coef * (value + future), clipped, value if est is EstimatorName.full else None
 
 
 @torch.no_grad()

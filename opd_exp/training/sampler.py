@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import sys
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from opd_exp.training.rollout import (
     Batch,
@@ -54,11 +54,37 @@ def _cache_key(model) -> str:
     return "cache" if "cache" in params else "past_key_values"
 
 
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of ``x`` [..., heads, d] with the Llama/Qwen2 half-split convention
+    (x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1)); ``cos``/``sin`` [..., 1, d]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class _Norm:
+    """A Llama-style RMSNorm as one call: ``F.rms_norm`` where the module computes in fp32 on fp32
+    weights (the same arithmetic); the module itself otherwise (it upcasts half precision)."""
+
+    def __init__(self, module):
+        self.module, self.weight = module, module.weight
+        self.eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+        self.fast = self.eps is not None and module.weight.dtype == torch.float32
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fast and x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        return self.module(x)
+
+
 class StaticDecoder:
-    """One-token decode steps of a Llama-style decoder (Qwen2, Llama) straight over its modules
-    and a preallocated KV cache: the same operations as the model's forward without the
+    """One-token decode steps of a Llama-style decoder (Qwen2, Llama) straight over its weights
+    and a preallocated KV cache: the same arithmetic as the model's forward without the
     per-call machinery (mask building, cache objects, output capture), which at small sizes
-    costs more than the arithmetic. ``StaticDecoder.covers(model)`` says where it applies."""
+    costs more than the arithmetic. Per layer the q/k/v and the gate/up projections run as one
+    matmul each (their weights concatenated once per rollout; the weights do not change while
+    it samples), rotary embedding runs once over the query and key heads together, and grouped
+    query heads attend to their shared key/value head without copying it.
+    ``StaticDecoder.covers(model)`` says where it applies."""
 
     MODEL_TYPES = ("qwen2", "llama")
 
@@ -69,52 +95,78 @@ class StaticDecoder:
             return False
         if getattr(cfg, "_attn_implementation", "sdpa") not in ("sdpa", "eager"):
             return False
+        if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "mlp_bias", False):
+            return False
         base = getattr(model, "base_model", None)
         layers = getattr(base, "layers", None)
         if layers is None or not hasattr(base, "rotary_emb") or not isinstance(model.get_output_embeddings(), torch.nn.Linear):
             return False
-        return all(hasattr(layer.self_attn, a) for layer in layers for a in ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim"))
+        attn = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim")
+        mlp = ("gate_proj", "up_proj", "down_proj")
+        linear = all(
+            isinstance(getattr(layer.self_attn, a), torch.nn.Linear) for layer in layers for a in ("q_proj", "k_proj", "v_proj", "o_proj")
+        ) and all(isinstance(getattr(layer.mlp, a, None), torch.nn.Linear) for layer in layers for a in mlp)
+        return linear and all(hasattr(layer.self_attn, a) for layer in layers for a in attn)
 
     def __init__(self, model, cache, key_mask: torch.Tensor, max_new_tokens: int, vocab_size: int):
         self.model, self.base, self.V = model, model.base_model, vocab_size
-        self.rope = sys.modules[type(self.base.layers[0].self_attn).__module__].apply_rotary_pos_emb
+        self.head = model.get_output_embeddings()
+        self.final_norm = _Norm(self.base.norm)
         P = key_mask.shape[1]
-        self.keys, self.values = [], []
-        for layer in cache.layers[: len(self.base.layers)]:
-            k, v = layer.keys, layer.values  # [N, kv heads, P, d]
+        self.layers = []
+        for layer, cached in zip(self.base.layers, cache.layers):
+            a, mlp = layer.self_attn, layer.mlp
+            k, v = cached.keys, cached.values  # [N, kv heads, P, d]
             K = k.new_zeros(k.shape[0], k.shape[1], P + max_new_tokens, k.shape[3])
             Vb = v.new_zeros(v.shape[0], v.shape[1], P + max_new_tokens, v.shape[3])
             K[:, :, :P], Vb[:, :, :P] = k, v
-            self.keys.append(K)
-            self.values.append(Vb)
-        self.mask = torch.cat([key_mask.bool(), key_mask.new_ones(key_mask.shape[0], max_new_tokens).bool()], dim=1)
+            projections = (a.q_proj, a.k_proj, a.v_proj)
+            bias = None if a.q_proj.bias is None else torch.cat([m.bias for m in projections])
+            self.layers.append(
+                dict(
+                    attn_norm=_Norm(layer.input_layernorm),
+                    mlp_norm=_Norm(layer.post_attention_layernorm),
+                    qkv=torch.cat([m.weight for m in projections]),
+                    qkv_bias=bias,
+                    o=a.o_proj,
+                    gate_up=torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]),
+                    down=mlp.down_proj,
+                    keys=K,
+                    values=Vb,
+                    d=a.head_dim,
+                    kv_heads=k.shape[1],
+                    heads=a.q_proj.out_features // a.head_dim,
+                    scale=a.scaling,
+                )
+            )
+        keep = torch.cat([key_mask.bool(), key_mask.new_ones(key_mask.shape[0], max_new_tokens).bool()], dim=1)
+        dtype = self.layers[0]["keys"].dtype if self.layers else torch.float32
+        self.mask = torch.zeros(keep.shape, dtype=dtype, device=keep.device).masked_fill_(~keep, float("-inf"))
         self.length = P
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits ``[N, V]`` after feeding ``tokens`` [N] at ``positions`` [N, 1]."""
-        base, t = self.base, self.length
-        h = base.embed_tokens(tokens[:, None])
-        cos, sin = base.rotary_emb(h, positions)
-        mask = self.mask[:, None, None, : t + 1]
+        t = self.length
+        h = self.base.embed_tokens(tokens)  # [N, hidden]
+        cos, sin = self.base.rotary_emb(h[:, None], positions)  # [N, 1, d]
+        mask = self.mask[:, None, None, : t + 1]  # additive: 0 or -inf (padded prompt keys)
         N = h.shape[0]
-        for i, layer in enumerate(base.layers):
-            a = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = a.q_proj(x).view(N, 1, -1, a.head_dim).transpose(1, 2)
-            k = a.k_proj(x).view(N, 1, -1, a.head_dim).transpose(1, 2)
-            v = a.v_proj(x).view(N, 1, -1, a.head_dim).transpose(1, 2)
-            q, k = self.rope(q, k, cos, sin)
-            self.keys[i][:, :, t : t + 1] = k
-            self.values[i][:, :, t : t + 1] = v
-            K, Vv = self.keys[i][:, :, : t + 1], self.values[i][:, :, : t + 1]
-            rep = q.shape[1] // K.shape[1]
-            if rep > 1:
-                K, Vv = K.repeat_interleave(rep, dim=1), Vv.repeat_interleave(rep, dim=1)
-            o = torch.nn.functional.scaled_dot_product_attention(q, K, Vv, attn_mask=mask, scale=a.scaling)
-            h = h + a.o_proj(o.transpose(1, 2).reshape(N, 1, -1))
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        for L in self.layers:
+            d, kvh, heads = L["d"], L["kv_heads"], L["heads"]
+            qkv = F.linear(L["attn_norm"](h), L["qkv"], L["qkv_bias"]).view(N, heads + 2 * kvh, d)
+            qk = _rotate(qkv[:, : heads + kvh], cos, sin)
+            L["keys"][:, :, t] = qk[:, heads:]
+            L["values"][:, :, t] = qkv[:, heads + kvh :]
+            # the query heads of one group as the "query positions" of its key/value head
+            q = qk[:, :heads].reshape(N, kvh, heads // kvh, d)
+            # attention written out: at one query token the fused SDPA kernel's setup costs more than the product
+            scores = torch.matmul(q, L["keys"][:, :, : t + 1].transpose(-1, -2)).mul_(L["scale"]).add_(mask)
+            o = torch.matmul(scores.softmax(-1), L["values"][:, :, : t + 1])
+            h = h + L["o"](o.reshape(N, heads * d))
+            gate, up = F.linear(L["mlp_norm"](h), L["gate_up"]).chunk(2, dim=-1)
+            h = h + L["down"](F.silu(gate) * up)
         self.length = t + 1
-        return self.model.get_output_embeddings()(base.norm(h))[:, -1, : self.V]
+        return self.head(self.final_norm(h))[:, : self.V]
 
 
 @torch.no_grad()

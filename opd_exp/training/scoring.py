@@ -67,27 +67,6 @@ def entropy(logits: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
     return out.reshape(lead)
 
 
-@torch.no_grad()
-def agreement(student_z: torch.Tensor, teacher_z: torch.Tensor, k: int, chunk_rows: int = 4096) -> tuple[torch.Tensor, ...]:
-    """Per position: the teacher's entropy, and the top-k agreement of the two distributions:
-    the teacher's mass on the student's top-k (``overlap/teacher_mass``), the student's mass on
-    the teacher's top-k (``overlap/student_mass``), and the share of entries the two top-k sets
-    have in common (``overlap/ratio``). A chunk of rows at a time."""
-    lead, V = student_z.shape[:-1], student_z.shape[-1]
-    k = min(int(k), V)
-    zs, zt = student_z.detach().reshape(-1, V), teacher_z.detach().reshape(-1, V)
-    out = torch.empty(4, zs.shape[0], dtype=torch.float32, device=zs.device)
-    for start in range(0, zs.shape[0], chunk_rows):
-        sl = slice(start, start + chunk_rows)
-        s, t = torch.log_softmax(zs[sl].float(), -1), torch.log_softmax(zt[sl].float(), -1)
-        top_s, top_t = s.topk(k, dim=-1).indices, t.topk(k, dim=-1).indices
-        out[0, sl] = -(t.exp() * t.clamp(min=torch.finfo(t.dtype).min)).sum(-1)
-        out[1, sl] = t.gather(-1, top_s).exp().sum(-1)
-        out[2, sl] = s.gather(-1, top_t).exp().sum(-1)
-        out[3, sl] = (top_s.unsqueeze(-1) == top_t.unsqueeze(-2)).any(-1).float().sum(-1) / k
-    return tuple(x.reshape(lead) for x in out)
-
-
 def _checkpointed(module) -> bool:
     return bool(getattr(module, "gradient_checkpointing", False))
 

@@ -139,6 +139,7 @@ class Trainer:
             chunk_size=cfg.estimator.chunk_size,
             on_prompts=self._count_truncated,
             samples=tc.eval_samples,
+            position_sums=self._fused_eval_sums if self.fused_teacher is not None else None,
         )
 
         # The training forward goes through DDP / the FSDP2-sharded model; generate, eval and
@@ -334,6 +335,25 @@ class Trainer:
             autocast=self.autocast,
             check_teacher=check,
         )
+
+    def _fused_eval_sums(self, batch, divergences) -> dict[str, float]:
+        """Eval's per-position sums through the fused LM-head path (see ``Evaluator``)."""
+        from opd_exp.training.fused import fused_position_sums
+
+        ro = self.cfg.rollout
+        with dropout_off(self.student):
+            return fused_position_sums(
+                self.student,
+                self.fused_teacher,
+                batch,
+                divergences,
+                vocab_size=self.vocab_size,
+                temperature=ro.temperature,
+                top_k=ro.top_k,
+                top_p=ro.top_p,
+                chunk_positions=self.cfg.estimator.chunk_size,
+                autocast=self.autocast,
+            )
 
     def _reduce(self, loss: float, tally: Tally) -> tuple[float, Tally]:
         """Token-weighted over ranks: sums of per-token values, divided later by the global count;
