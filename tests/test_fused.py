@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers.tiny import AddTask, small_config
-from opd_exp.config.schema import Credit, DivergenceName, EstimatorName, FusedLmHead, LossName, validate
+from opd_exp.config.schema import Credit, DivergenceName, EstimatorName, FusedLmHead, LossName, ParamDtype, Precision, validate
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.fused import FusedTeacher, fused_accumulate, unsupported_reason
 from opd_exp.training.objective import Objective
@@ -161,6 +161,30 @@ def test_fused_training_steps_equal_materialised_steps(tiny_pair, tmp_path):
             assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
 
 
+@pytest.mark.parametrize(
+    "trainer",
+    [dict(precision=Precision.bf16), dict(param_dtype=ParamDtype.bf16, teacher_dtype=ParamDtype.bf16)],
+    ids=["autocast", "bf16_weights"],
+)
+def test_fused_steps_in_bf16_agree_with_materialised_to_bf16_rounding(tiny_pair, tmp_path, trainer):
+    """bf16 autocast (and bf16 weights) through the fused head: the chunks' logits are rounded
+    like the materialised head's, the objective still runs in fp32, so the two paths agree to
+    bf16 rounding (a few 1e-3 relative), every metric finite."""
+    from opd_exp.training.trainer import Trainer
+
+    runs = {}
+    for mode in (FusedLmHead.off, FusedLmHead.on):
+        cfg = small_config(trainer=dict(max_steps=2, fused_lm_head=mode, lr=0.0, **trainer), estimator=dict(chunk_size=3))
+        tr = Trainer(cfg, tmp_path / mode.value, pair=copy.deepcopy(tiny_pair), task=AddTask())
+        assert (tr.fused_teacher is not None) == (mode is FusedLmHead.on)
+        runs[mode] = [tr.train_step() for _ in range(2)]
+    for a, b in zip(runs[FusedLmHead.off], runs[FusedLmHead.on]):
+        assert sorted(a) == sorted(b)
+        assert all(torch.isfinite(torch.tensor(v)) for v in b.values())
+        for k in ("loss", "jsd/mean", "kl/forward", "kl/reverse", "grad/norm", "student/entropy", "exact/jsd"):
+            assert b[k] == pytest.approx(a[k], rel=2e-2, abs=1e-4), k
+
+
 @pytest.mark.parametrize("rollout", [{}, {"temperature": 0.7, "top_k": 5}], ids=["plain", "filtered"])
 def test_eval_through_the_fused_path_equals_materialised_eval(tiny_pair, tmp_path, monkeypatch, rollout):
     """Eval (greedy responses: exact divergences; k samples: entropy) takes the fused path when
@@ -179,7 +203,12 @@ def test_eval_through_the_fused_path_equals_materialised_eval(tiny_pair, tmp_pat
         tr = Trainer(cfg, tmp_path / mode.value, pair=copy.deepcopy(tiny_pair), task=AddTask())
         calls = []
         inner = scoring.response_logits
-        monkeypatch.setattr(scoring, "response_logits", lambda *a, **k: calls.append(1) or inner(*a, **k))
+
+        def counted(*args, calls=calls, inner=inner, **kw):
+            calls.append(1)
+            return inner(*args, **kw)
+
+        monkeypatch.setattr(scoring, "response_logits", counted)
         results[mode] = tr.evaluate()
         monkeypatch.setattr(scoring, "response_logits", inner)
         assert bool(calls) == (mode is FusedLmHead.off)  # the fused eval never runs an LM head over [N, R]

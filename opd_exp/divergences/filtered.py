@@ -59,12 +59,12 @@ def filtered_value(
     chunk = chunk_size or default_chunk_size(V)
     for start in range(0, rows.numel(), chunk):
         idx = rows[start : start + chunk]
-        outside = torch.softmax(zs[idx].to(dtype), dim=-1) == 0
+        outside = torch.softmax(zs.index_select(0, idx).to(dtype), dim=-1) == 0
         if ex is not None:
             outside.scatter_(-1, ex[idx], False)
         if not outside.any():
             continue
-        t = torch.log_softmax(zt[idx].to(dtype), dim=-1)
+        t = torch.log_softmax(zt.index_select(0, idx).to(dtype), dim=-1)
         phi = div.outside_value(t)
         out[idx] = torch.where(outside, phi, torch.zeros((), dtype=dtype, device=phi.device)).sum(-1)
     return out.reshape(lead)

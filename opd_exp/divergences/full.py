@@ -48,8 +48,8 @@ class _FullDivergence(torch.autograd.Function):
         out = torch.zeros(student.shape[0], dtype=dtype, device=student.device)
         for start in range(0, rows.numel(), chunk):
             idx = rows[start : start + chunk]
-            s = _log_probs(student[idx], tau, dtype)
-            t = _log_probs(teacher[idx], tau, dtype)
+            s = _log_probs(student.index_select(0, idx), tau, dtype)
+            t = _log_probs(teacher.index_select(0, idx), tau, dtype)
             out[idx] = div.rows_value(s, t)
         ctx.save_for_backward(student, teacher, rows)
         ctx.div, ctx.tau, ctx.chunk = div, tau, chunk
@@ -63,13 +63,13 @@ class _FullDivergence(torch.autograd.Function):
         grad = torch.zeros_like(student)
         for start in range(0, rows.numel(), chunk):
             idx = rows[start : start + chunk]
-            s = _log_probs(student[idx], tau, dtype)
-            t = _log_probs(teacher[idx], tau, dtype)
+            s = _log_probs(student.index_select(0, idx), tau, dtype)
+            t = _log_probs(teacher.index_select(0, idx), tau, dtype)
             g, S = div.rows_grad(s, t)
             del s, t
             g.addcmul_(S, g.sum(-1, keepdim=True), value=-1.0)  # G - S * sum(G)
             g.mul_(grad_out[idx].to(dtype).unsqueeze(-1) / tau)
-            grad[idx] = g.to(grad.dtype)
+            grad.index_copy_(0, idx, g.to(grad.dtype))
         return grad, None, None, None, None, None
 
 

@@ -52,8 +52,8 @@ def step_monitors(
     lowest = torch.finfo(dtype).min
     for start in range(0, rows.numel(), chunk):
         idx = rows[start : start + chunk]
-        s = torch.log_softmax(zs[idx].to(dtype), -1)
-        t = torch.log_softmax(zt[idx].to(dtype), -1)
+        s = torch.log_softmax(zs.index_select(0, idx).to(dtype), -1)
+        t = torch.log_softmax(zt.index_select(0, idx).to(dtype), -1)
         S, T = s.exp(), t.exp()
         top_s, top_t = s.topk(k, dim=-1).indices, t.topk(k, dim=-1).indices
         values = {
