@@ -18,7 +18,12 @@ steps (a learning check).
     python benchmarks/opd_step_vs_trl.py --repeats 1 --steps 6 --divergences jsd   # quick look
 
 Implementations: ``trl`` (DistillationTrainer), ``opd-hf`` (opd-exp, rollout.engine=hf:
-generate, lengths not forced: compare per token), ``opd-lean`` (opd-exp, rollout.engine=lean).
+generate, lengths not forced: compare per token), ``opd-lean`` (opd-exp, rollout.engine=lean),
+``opd-quiet`` (opd-lean without the per-step monitors: trainer.exact_metrics=false
+trainer.overlap_k=0),
+``floor`` (the training pass alone on one sampled batch: teacher forward, student forward, the
+exact divergence, backward; no sampling, monitors or optimizer step -- the shared work no OPD
+step of this kind can skip, so no implementation's ratio can fall below floor/trl).
 """
 
 from __future__ import annotations
@@ -150,15 +155,15 @@ def run_trl(root: Path, div: str, a) -> dict:
     return {"times": times, "losses": losses, "length": statistics.mean(lengths) if lengths else float("nan")}
 
 
-def run_opd(root: Path, div: str, engine: str, a) -> dict:
+def build_opd(root: Path, div: str, engine: str, a, monitors: bool = True):
+    """opd-exp's Trainer on the benchmark pair and prompts (full-vocabulary loss, direct);
+    ``monitors=False``: trainer.exact_metrics=false trainer.overlap_k=0."""
     from types import SimpleNamespace
 
-    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from opd_exp.config import schema as S
     from opd_exp.config.world import ModelPairConfig, TaskConfig
-    from opd_exp.training import sampler
     from opd_exp.training.trainer import Trainer
 
     tok = AutoTokenizer.from_pretrained(root / "student")
@@ -195,13 +200,28 @@ def run_opd(root: Path, div: str, engine: str, a) -> dict:
             device="cpu",
             progress=False,
             num_threads=1,
+            exact_metrics=monitors,
+            overlap_k=8 if monitors else 0,
         ),
         logger=S.LoggerConfig(name=S.LoggerName.none),
     )
-    tr = Trainer(cfg, root / f"opd-{engine}-{div}", pair=pair, task=task)
-    if engine == "lean":  # fixed lengths, as on the TRL side: EOS banned until --length tokens
-        inner = sampler.lean_generate
-        sampler.lean_generate = lambda *args, **kw: inner(*args, min_new_tokens=a.length, **kw)
+    return Trainer(cfg, root / f"opd-{engine}-{div}", pair=pair, task=task)
+
+
+def _force_lengths(a) -> None:
+    """Fixed lengths, as on the TRL side: the lean sampler bans EOS until --length tokens."""
+    from opd_exp.training import sampler
+
+    inner = sampler.lean_generate
+    sampler.lean_generate = lambda *args, **kw: inner(*args, min_new_tokens=a.length, **kw)
+
+
+def run_opd(root: Path, div: str, engine: str, a, monitors: bool = True) -> dict:
+    import torch
+
+    tr = build_opd(root, div, engine, a, monitors)
+    if engine == "lean":
+        _force_lengths(a)
     torch.set_num_threads(1)
     times, losses, lengths = [], [], []
     for _ in range(a.steps):
@@ -213,10 +233,43 @@ def run_opd(root: Path, div: str, engine: str, a) -> dict:
     return {"times": times, "losses": losses, "length": statistics.mean(lengths)}
 
 
+def run_floor(root: Path, div: str, a) -> dict:
+    """The training pass alone, on one batch the lean sampler drew: teacher forward, student
+    forward, the exact full-vocabulary divergence and backward -- work every OPD step of this
+    kind does on both sides (TRL computes the same forwards, loss and backward). Any step that
+    also samples, monitors and updates costs more: this is the floor the ratio cannot beat."""
+    import torch
+
+    from opd_exp.training.scoring import dropout_off
+
+    tr = build_opd(root, div, "lean", a)
+    _force_lengths(a)
+    torch.set_num_threads(1)
+    batch = tr.sample(0)
+    d, n = tr.objective.div, batch.num_response_tokens
+    times, losses = [], []
+    for _ in range(a.steps):
+        c0, w0 = time.process_time(), time.perf_counter()
+        tr.optimizer.zero_grad(set_to_none=True)
+        zt = tr.teacher_scorer.logits(batch)
+        with dropout_off(tr.student):
+            zs = tr._student_logits(tr.train_module, batch)
+            loss = d.full(zs, zt, mask=batch.response_mask.bool()).sum() / n
+            loss.backward()
+        times.append((time.process_time() - c0, time.perf_counter() - w0))
+        losses.append(float(loss))
+    return {"times": times, "losses": losses, "length": n / batch.num_sequences}
+
+
 def _worker(a) -> None:
     root = Path(a.root)
     impl, div = a.worker.split(":")
-    out = run_trl(root, div, a) if impl == "trl" else run_opd(root, div, impl.split("-")[1], a)
+    if impl == "floor":
+        out = run_floor(root, div, a)
+    elif impl == "opd-quiet":
+        out = run_opd(root, div, "lean", a, monitors=False)
+    else:
+        out = run_trl(root, div, a) if impl == "trl" else run_opd(root, div, impl.split("-")[1], a)
     out["peak_gib"] = _peak_gib()
     print("RESULT " + json.dumps(out))
 
@@ -230,7 +283,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--divergences", default="fkl,jsd,rkl")
-    p.add_argument("--impls", default="trl,opd-hf,opd-lean")
+    p.add_argument("--impls", default="trl,opd-hf,opd-lean,opd-quiet,floor")
     p.add_argument("--root", default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     a = p.parse_args()

@@ -107,3 +107,21 @@ def test_a_gap_above_the_threshold_is_a_warning_line(tiny_pair, tmp_path, monkey
     assert len(lines) == 1 and lines[0].startswith("opd-train: warning: step 1: rollout/logprob_gap=1.00e-02 > 0.001 (max 1.00e-02)")
     t.train_step()
     assert len(lines) == 1  # once per run: the metric shows every step
+
+
+def test_overlap_k_zero_drops_only_the_overlap_monitors():
+    cfg = small_config(divergence={"name": "rkl"}, estimator={"name": "sampled"}, loss={"name": "reinforce"})
+    g = torch.Generator().manual_seed(2)
+    zs, zt = torch.randn(2, 4, 9, generator=g), torch.randn(2, 4, 9, generator=g)
+    y = torch.randint(0, 9, (2, 4), generator=g)
+    mask = torch.ones(2, 4, dtype=torch.bool)
+    full = Objective(cfg)(zs, zt, y, mask, on_policy=True, normalizer=8)
+    cfg.trainer.overlap_k = 0
+    lean = Objective(cfg)
+    out = lean(zs, zt, y, mask, on_policy=True, normalizer=8)
+    assert not any(k.startswith("overlap/") for k in out.sums)
+    assert not any(k.startswith("overlap/") for k in lean.token_metric_names)
+    assert {k: v for k, v in full.sums.items() if not k.startswith("overlap/")} == out.sums
+    cfg.trainer.overlap_k = -1
+    with pytest.raises(Exception, match=r"trainer.overlap_k=-1 .*integer >= 0"):
+        cfg.trainer.__post_init__()

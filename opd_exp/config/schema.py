@@ -370,10 +370,11 @@ class TrainerConfig:
     lora_dropout: float = 0.0
     # module names that get adapters (Qwen/Llama attention projections by default)
     lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    # exact/jsd, exact/kl_reverse, exact/kl_forward every step on the step's own rollout (three
-    # chunked no-grad passes over [tokens, V]); false for very large vocabularies
+    # exact/jsd, exact/kl_reverse, exact/kl_forward every step on the step's own rollout (read off
+    # the monitors' one pass over [tokens, V]); false drops them
     exact_metrics: bool = True
-    # size of the top-k sets of overlap/teacher_mass, overlap/student_mass, overlap/ratio
+    # size of the top-k sets of overlap/teacher_mass, overlap/student_mass, overlap/ratio; 0 drops
+    # those three (their two top-k searches are the monitors' largest cost at small vocabularies)
     overlap_k: int = 8
 
     def __post_init__(self) -> None:
@@ -387,7 +388,7 @@ class TrainerConfig:
         _check(isinstance(self.lora_rank, int) and self.lora_rank >= 0, "trainer.lora_rank", self.lora_rank, "integer >= 0 (0: off)")
         _check(_finite(self.lora_alpha) and self.lora_alpha > 0, "trainer.lora_alpha", self.lora_alpha, "> 0")
         _check(_finite(self.lora_dropout) and 0.0 <= self.lora_dropout < 1.0, "trainer.lora_dropout", self.lora_dropout, "0 <= x < 1")
-        _check(isinstance(self.overlap_k, int) and self.overlap_k >= 1, "trainer.overlap_k", self.overlap_k, "integer >= 1")
+        _check(isinstance(self.overlap_k, int) and self.overlap_k >= 0, "trainer.overlap_k", self.overlap_k, "integer >= 0 (0: no overlap/*)")
         _check(len(self.lora_target_modules) >= 1, "trainer.lora_target_modules", self.lora_target_modules, "at least one module name")
         _check(self.max_steps >= 0, "trainer.max_steps", self.max_steps, "integer >= 0")
         _check(self.batch_size >= 1, "trainer.batch_size", self.batch_size, "integer >= 1")

@@ -36,7 +36,8 @@ def step_monitors(
     chunk_rows: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per position ``[...]`` (0 outside ``mask``): ``student/entropy``, the ``AGREEMENT``
-    values at top-``k``, and D per position for each ``divergences`` entry (name -> divergence).
+    values at top-``k`` (``k=0``: only ``teacher/entropy``), and D per position for each
+    ``divergences`` entry (name -> divergence).
 
     ``student_z``/``teacher_z`` are the logits ``[..., V]`` of the distributions compared (the
     student's sampling logits, the teacher's tempered ones); both are normalised in fp32 (fp64
@@ -45,7 +46,7 @@ def step_monitors(
     zs, zt = student_z.detach().reshape(-1, V), teacher_z.detach().reshape(-1, V)
     rows = mask.reshape(-1).bool().nonzero().squeeze(-1)
     dtype = torch.float64 if zs.dtype == torch.float64 else torch.float32
-    names = ("student/entropy", *AGREEMENT, *divergences)
+    names = ("student/entropy", *(AGREEMENT if k else AGREEMENT[:1]), *divergences)
     out = {n: torch.zeros(zs.shape[0], dtype=dtype, device=zs.device) for n in names}
     k = min(int(k), V)
     chunk = chunk_rows or max(1, _CHUNK_ELEMENTS // max(V, 1))
@@ -55,14 +56,12 @@ def step_monitors(
         s = torch.log_softmax(zs.index_select(0, idx).to(dtype), -1)
         t = torch.log_softmax(zt.index_select(0, idx).to(dtype), -1)
         S, T = s.exp(), t.exp()
-        top_s, top_t = s.topk(k, dim=-1).indices, t.topk(k, dim=-1).indices
-        values = {
-            "student/entropy": -(S * s).sum(-1),
-            "teacher/entropy": -(T * t.clamp(min=lowest)).sum(-1),
-            "overlap/teacher_mass": T.gather(-1, top_s).sum(-1),
-            "overlap/student_mass": S.gather(-1, top_t).sum(-1),
-            "overlap/ratio": (top_s.unsqueeze(-1) == top_t.unsqueeze(-2)).any(-1).to(dtype).sum(-1) / k,
-        }
+        values = {"student/entropy": -(S * s).sum(-1), "teacher/entropy": -(T * t.clamp(min=lowest)).sum(-1)}
+        if k:
+            top_s, top_t = s.topk(k, dim=-1).indices, t.topk(k, dim=-1).indices
+            values["overlap/teacher_mass"] = T.gather(-1, top_s).sum(-1)
+            values["overlap/student_mass"] = S.gather(-1, top_t).sum(-1)
+            values["overlap/ratio"] = (top_s.unsqueeze(-1) == top_t.unsqueeze(-2)).any(-1).to(dtype).sum(-1) / k
         del S, T
         items = list(divergences.items())
         for i, (name, d) in enumerate(items):

@@ -128,7 +128,8 @@ class Objective:
     @property
     def token_metric_names(self) -> tuple[str, ...]:
         """The per-token metrics this objective reports on a student-sampled step."""
-        names = [*TOKEN_METRICS, *(EXACT_METRICS if self.cfg.trainer.exact_metrics else ()), *AGREEMENT_METRICS]
+        agreement = AGREEMENT_METRICS if self.cfg.trainer.overlap_k else AGREEMENT_METRICS[:1]  # k=0: teacher entropy only
+        names = [*TOKEN_METRICS, *(EXACT_METRICS if self.cfg.trainer.exact_metrics else ()), *agreement]
         return tuple(k for k in names if not (self.filtered and k in FORWARD_KL_METRICS))
 
     def __call__(
@@ -202,7 +203,7 @@ class Objective:
             }
             if cfg.trainer.exact_metrics:
                 values.update(exact)
-            values.update({n: mon[n] for n in AGREEMENT_METRICS})
+            values.update({n: mon[n] for n in AGREEMENT_METRICS if n in mon})
             if self.filtered:
                 for k in FORWARD_KL_METRICS:
                     values.pop(k, None)
