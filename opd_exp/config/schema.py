@@ -388,7 +388,9 @@ class TrainerConfig:
         _check(isinstance(self.lora_rank, int) and self.lora_rank >= 0, "trainer.lora_rank", self.lora_rank, "integer >= 0 (0: off)")
         _check(_finite(self.lora_alpha) and self.lora_alpha > 0, "trainer.lora_alpha", self.lora_alpha, "> 0")
         _check(_finite(self.lora_dropout) and 0.0 <= self.lora_dropout < 1.0, "trainer.lora_dropout", self.lora_dropout, "0 <= x < 1")
-        _check(isinstance(self.overlap_k, int) and self.overlap_k >= 0, "trainer.overlap_k", self.overlap_k, "integer >= 0 (0: no overlap/*)")
+        _check(
+            isinstance(self.overlap_k, int) and self.overlap_k >= 0, "trainer.overlap_k", self.overlap_k, "integer >= 0 (0: no overlap/*)"
+        )
         _check(len(self.lora_target_modules) >= 1, "trainer.lora_target_modules", self.lora_target_modules, "at least one module name")
         _check(self.max_steps >= 0, "trainer.max_steps", self.max_steps, "integer >= 0")
         _check(self.batch_size >= 1, "trainer.batch_size", self.batch_size, "integer >= 1")
