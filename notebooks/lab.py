@@ -148,3 +148,39 @@ for claim, metrics in CLAIMS.items():
         Path(FIGURES).mkdir(parents=True, exist_ok=True)
         fig.savefig(Path(FIGURES) / f"{claim}.png", dpi=110)
     plt.show()
+
+# %% [markdown]
+# ## Prefix source x KL direction: the interaction, per seed
+#
+# Independence of the two axes means the effect of student prefixes (on_policy_fraction 1
+# minus 0) is the same under reverse and forward KL. Per seed, the interaction is
+# (rkl: student - teacher prefixes) - (fkl: student - teacher prefixes) of each final eval
+# metric; the table gives both effects and the interaction, mean ± 95% CI over the seeds.
+
+
+# %%
+def prefix_x_kl_interaction(runs, metrics):
+    cells = {}
+    for r in runs:
+        key = (r.divergence or r.overrides.get("divergence"), float(r.overrides.get("rollout.on_policy_fraction", "nan")), r.seed)
+        cells[key] = r
+    seeds = sorted({s for (_, _, s) in cells if all((d, f, s) in cells for d in ("fkl", "rkl") for f in (0.0, 1.0))})
+    lines = ["| metric | student-prefix effect under fkl | under rkl | interaction | per seed |", "|---|---|---|---|---|"]
+    for m in metrics:
+
+        def effect(div, s, m=m):
+            return cells[(div, 1.0, s)].final(m) - cells[(div, 0.0, s)].final(m)
+
+        fkl, rkl = [effect("fkl", s) for s in seeds], [effect("rkl", s) for s in seeds]
+        inter = [b - a for a, b in zip(fkl, rkl)]
+        per_seed = ", ".join(f"{x:+.3f}" for x in inter)
+        lines.append(f"| {m} | {fmt(ci95(fkl))} | {fmt(ci95(rkl))} | {fmt(ci95(inter))} | {per_seed} |")
+    return f"seeds {seeds}\n\n" + "\n".join(lines)
+
+
+where = folder("lab_prefix_x_kl")
+if where is None:
+    print(f"lab_prefix_x_kl: no runs under {ROOT / 'lab_prefix_x_kl'}")
+else:
+    runs = load_runs(where)
+    display(Markdown(prefix_x_kl_interaction(runs, present(runs, [*CLAIMS["lab_prefix_x_kl"], "eval/entropy"]))))
