@@ -155,7 +155,7 @@ for claim, metrics in CLAIMS.items():
 # Independence of the two axes means the effect of student prefixes (on_policy_fraction 1
 # minus 0) is the same under reverse and forward KL. Per seed, the interaction is
 # (rkl: student - teacher prefixes) - (fkl: student - teacher prefixes) of each final eval
-# metric; the table gives both effects and the interaction, mean ± 95% CI over the seeds.
+# metric; the table gives both effects and the interaction, mean ± 95% CI over seeds.
 
 
 # %%

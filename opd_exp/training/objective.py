@@ -121,6 +121,10 @@ class Objective:
         self.jsd = get_divergence("jsd", beta=metric_beta(cfg))
         self.rkl = get_divergence("rkl")
         self.fkl = get_divergence("fkl")
+        # rkl and fkl first: jsd's rows_value works in place on the buffers it gets
+        self.exact_order = {"exact/kl_reverse": self.rkl, "exact/kl_forward": self.fkl, "exact/jsd": self.jsd}
+        # the exact/* names whose divergence is the trained one (same class and parameters)
+        self.exact_is_trained = {n for n, d in self.exact_order.items() if repr(d) == repr(self.div)}
         self.filtered = cfg.rollout.filtered  # top-k/top-p: values need the filtered-mass term
         # the clip bites only where a sampled cost is used: estimator=sampled, and topk's tail
         self.report_clip = cfg.divergence.name.value == "fkl" and cfg.divergence.clip is not None
@@ -173,16 +177,14 @@ class Objective:
             exact_names = ()
             if cfg.trainer.exact_metrics or not on_policy:  # forward KL is infinite under a filter: not computed
                 exact_names = tuple(n for n in EXACT_METRICS if not (self.filtered and n in FORWARD_KL_METRICS))
-            # rkl and fkl first: jsd's rows_value works in place on the buffers it gets
-            order = {"exact/kl_reverse": self.rkl, "exact/kl_forward": self.fkl, "exact/jsd": self.jsd}
             # the exact value the loss already computed (estimator=full, or a teacher-sampled step)
             # is not computed twice: the same chunks through the same rows_value
-            known = {n: trained_exact for n, d in order.items() if trained_exact is not None and repr(d) == repr(self.div)}
+            known = dict.fromkeys(self.exact_is_trained, trained_exact) if trained_exact is not None else {}
             mon = step_monitors(
                 zs,
                 teacher_z,
                 m,
-                divergences={n: d for n, d in order.items() if n in exact_names and n not in known},
+                divergences={n: d for n, d in self.exact_order.items() if n in exact_names and n not in known},
                 k=cfg.trainer.overlap_k,
                 chunk_rows=chunk,
             )
