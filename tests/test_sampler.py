@@ -189,3 +189,40 @@ def test_static_decoder_on_llama_equals_the_models_own_forward(tiny_pair, heads,
     assert (ours.sampling_logprobs - ref.sampling_logprobs)[m].abs().max() < 1e-10
     greedy = dict(n_samples=1, max_new_tokens=9, vocab_size=V, do_sample=False)
     _same_batch(lean_generate(model, tok, PROMPTS, static=True, **greedy), generate(model, tok, PROMPTS, **greedy))
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "autocast"])
+def test_half_precision_decodes_with_the_models_own_forward(tiny_pair, attn, precision):
+    """In half precision fused matmuls and the written-out attention round differently from the
+    model's own forward, so the static decode step is not used there: the samples and their
+    log-probs are exactly those of the model's own cached forward."""
+    import contextlib
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok, V = tiny_pair.tokenizer, tiny_pair.vocab_size
+    torch.manual_seed(1)
+    cfg = LlamaConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        attn_implementation=attn,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    if precision != "autocast":
+        model = model.to(torch.bfloat16 if precision == "bf16" else torch.float16)
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "autocast" else contextlib.nullcontext()
+    seeds = [3 * i + 2 for i in range(len(PROMPTS) * 2)]
+    kw = dict(n_samples=2, max_new_tokens=12, vocab_size=V, row_seeds=seeds, temperature=1.3)
+    with ctx:
+        ours, ref = lean_generate(model, tok, PROMPTS, **kw), lean_generate(model, tok, PROMPTS, static=False, **kw)
+    _same_batch(ours, ref)
+    m = ours.response_mask
+    assert (ours.sampling_logprobs - ref.sampling_logprobs)[m].abs().max() == 0.0

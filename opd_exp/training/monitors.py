@@ -78,6 +78,8 @@ def agreement(student_z: torch.Tensor, teacher_z: torch.Tensor, k: int) -> tuple
     distributions: the teacher's mass on the student's top-k (``overlap/teacher_mass``), the
     student's mass on the teacher's top-k (``overlap/student_mass``), and the share of entries
     the two top-k sets have in common (``overlap/ratio``)."""
+    if k < 1:
+        raise ValueError(f"agreement: k={k} is out of range; allowed: k >= 1")
     every = torch.ones(student_z.shape[:-1], dtype=torch.bool, device=student_z.device)
     got = step_monitors(student_z, teacher_z, every, divergences={}, k=k)
     return tuple(got[n] for n in AGREEMENT)

@@ -61,9 +61,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def _full_precision(cache, device: torch.device) -> bool:
+    """Whether decoding runs in fp32/fp64: an fp32/fp64 key/value cache and no autocast."""
+    if torch.is_autocast_enabled(device.type):
+        return False
+    return bool(cache.layers) and cache.layers[0].keys.dtype in (torch.float32, torch.float64)
+
+
 class _Norm:
     """A Llama-style RMSNorm as one call: ``F.rms_norm`` where the module computes in fp32 on fp32
-    weights (the same arithmetic); the module itself otherwise (it upcasts half precision)."""
+    weights (the same arithmetic); the module itself otherwise."""
 
     def __init__(self, module):
         self.module, self.weight = module, module.weight
@@ -222,7 +229,10 @@ def lean_generate(
         key = _cache_key(model)
         cache, last_pos = getattr(out, key), pos[:, -1:]
         if static is None:
-            static = StaticDecoder.covers(model) and hasattr(cache, "layers")
+            # fp32/fp64 only: in half precision (bf16/fp16 weights or autocast) the fused matmuls and
+            # the written-out attention round differently from the model's own forward (~1e-3), so
+            # there the model's forward over its cache decodes and samples follow it to the bit
+            static = StaticDecoder.covers(model) and hasattr(cache, "layers") and _full_precision(cache, ids.device)
         decoder = StaticDecoder(model, cache, mask, max_new_tokens, V) if static else None
         raw = out.logits[:, -1, :V]
         done = torch.zeros(N, dtype=torch.bool, device=device)
