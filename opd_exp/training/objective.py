@@ -124,7 +124,7 @@ class Objective:
         # rkl and fkl first: jsd's rows_value works in place on the buffers it gets
         self.exact_order = {"exact/kl_reverse": self.rkl, "exact/kl_forward": self.fkl, "exact/jsd": self.jsd}
         # the exact/* names whose divergence is the trained one (same class and parameters)
-        self.exact_is_trained = {n for n, d in self.exact_order.items() if repr(d) == repr(self.div)}
+        self.exact_is_trained = {n for n, d in self.exact_order.items() if type(d) is type(self.div) and d.params() == self.div.params()}
         self.filtered = cfg.rollout.filtered  # top-k/top-p: values need the filtered-mass term
         # the clip bites only where a sampled cost is used: estimator=sampled, and topk's tail
         self.report_clip = cfg.divergence.name.value == "fkl" and cfg.divergence.clip is not None
