@@ -290,10 +290,14 @@ def main() -> None:
     if a.worker:
         _worker(a)
         return
+    impls, divs = a.impls.split(","), a.divergences.split(",")
+    known = ("trl", "opd-hf", "opd-lean", "opd-quiet", "floor")
+    for name, given, allowed in (("--impls", impls, known), ("--divergences", divs, tuple(DIVERGENCES))):
+        if bad := [x for x in given if x not in allowed]:
+            p.error(f"{name}: {','.join(bad)} unknown; allowed: {', '.join(allowed)}")
     os.environ["OMP_NUM_THREADS"] = "1"
     root = Path(tempfile.mkdtemp(prefix="opd_vs_trl_"))
     build_pair(root)
-    impls, divs = a.impls.split(","), a.divergences.split(",")
     runs: dict[tuple[str, str], list[dict]] = {(i, d): [] for d in divs for i in impls}
     for _ in range(a.repeats):
         for d in divs:

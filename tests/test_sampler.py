@@ -157,28 +157,33 @@ def test_response_logits_see_what_the_sampler_saw(tiny_pair):
     assert torch.equal(z.argmax(-1)[m], batch.response_ids[m])
 
 
+def _tiny_llama(tok, vocab_size: int, *, hidden: int, heads: int, kv_heads: int, **extra):
+    """A random two-layer Llama decoder in eval mode (after ``torch.manual_seed``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=hidden + 16,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=64,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        **extra,
+    )
+    return LlamaForCausalLM(cfg).eval()
+
+
 @pytest.mark.parametrize("heads,kv_heads,bias", [(4, 2, False), (4, 4, True), (6, 1, False)], ids=["gqa", "mha_bias", "mqa"])
 def test_static_decoder_on_llama_equals_the_models_own_forward(tiny_pair, heads, kv_heads, bias):
     """A Llama decoder (grouped, plain and single key/value heads; attention bias): our fused
     decode step gives the model's own cached forward's logits at every step (fp64), hence the
     same greedy tokens and the same row-seeded draws."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     tok = tiny_pair.tokenizer
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=tiny_pair.vocab_size + 5,
-        hidden_size=24,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        attention_bias=bias,
-        max_position_embeddings=64,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-    )
-    model = LlamaForCausalLM(cfg).double().eval()
+    model = _tiny_llama(tok, tiny_pair.vocab_size + 5, hidden=24, heads=heads, kv_heads=kv_heads, attention_bias=bias).double()
     assert StaticDecoder.covers(model)
     V = tiny_pair.vocab_size
     seeds = [5 * i + 1 for i in range(len(PROMPTS) * 2)]
@@ -199,23 +204,9 @@ def test_half_precision_decodes_with_the_models_own_forward(tiny_pair, attn, pre
     log-probs are exactly those of the model's own cached forward."""
     import contextlib
 
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     tok, V = tiny_pair.tokenizer, tiny_pair.vocab_size
     torch.manual_seed(1)
-    cfg = LlamaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        eos_token_id=tok.eos_token_id,
-        pad_token_id=tok.pad_token_id,
-        attn_implementation=attn,
-    )
-    model = LlamaForCausalLM(cfg).eval()
+    model = _tiny_llama(tok, V, hidden=32, heads=4, kv_heads=2, attn_implementation=attn)
     if precision != "autocast":
         model = model.to(torch.bfloat16 if precision == "bf16" else torch.float16)
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "autocast" else contextlib.nullcontext()

@@ -60,19 +60,20 @@ def evaluate_accuracy(
 
 
 # What ``Evaluator`` needs per batch: sums over its response positions of each divergence
-# (name -> Divergence) and of the student's entropy (key ``ENTROPY``).
-PositionSums = Callable[[Batch, Mapping[str, Divergence]], dict[str, float]]
+# (name -> Divergence), and with ``with_entropy`` of the student's entropy (key ``ENTROPY``).
+PositionSums = Callable[[Batch, Mapping[str, Divergence], bool], dict[str, float]]
 ENTROPY = "entropy"
 
 
 def logit_sums(
-    student_z: torch.Tensor, teacher_z: torch.Tensor | None, mask: torch.Tensor, divergences, chunk_size=None
+    student_z: torch.Tensor, teacher_z: torch.Tensor | None, mask: torch.Tensor, divergences, chunk_size=None, with_entropy=False
 ) -> dict[str, float]:
-    """Sums over the masked positions of each divergence's exact value and of the student's
-    entropy, from materialised logits ``[..., V]``."""
+    """Sums over the masked positions of each divergence's exact value (and of the student's
+    entropy), from materialised logits ``[..., V]``."""
     m = mask.bool()
     out = {name: float(d.full(student_z, teacher_z, mask=m, chunk_size=chunk_size).sum()) for name, d in divergences.items()}
-    out[ENTROPY] = float(entropy(student_z)[m].sum())
+    if with_entropy:
+        out[ENTROPY] = float(entropy(student_z)[m].sum())
     return out
 
 
@@ -136,10 +137,10 @@ class Evaluator:
         # the fused LM-head path passes its own (no [N, R, V] logits); by default both models' logits
         self.position_sums = position_sums or self._materialised_sums
 
-    def _materialised_sums(self, batch: Batch, divergences: Mapping[str, Divergence]) -> dict[str, float]:
+    def _materialised_sums(self, batch: Batch, divergences: Mapping[str, Divergence], with_entropy: bool) -> dict[str, float]:
         zs = self.student_logits(batch)
         zt = self.teacher.logits(batch) if divergences else None  # the entropy alone needs no teacher
-        return logit_sums(zs, zt, batch.response_mask, divergences, self.chunk_size)
+        return logit_sums(zs, zt, batch.response_mask, divergences, self.chunk_size, with_entropy)
 
     def _batches(self, engine):
         for chunk, batch in greedy_batches(engine, self.tokenizer, self.task, self.problems, self.batch_size):
@@ -161,9 +162,8 @@ class Evaluator:
             batch = batch.to(device)
             texts = decode_responses(self.tokenizer, batch)
             correct += sum(bool(self.task.verify(t, p.answer)) for t, p in zip(texts, chunk))
-            for name, v in self.position_sums(batch, self.divergences).items():
-                if name != ENTROPY:
-                    sums[name] += v
+            for name, v in self.position_sums(batch, self.divergences, False).items():
+                sums[name] += v
             n_tok += batch.num_response_tokens
         out = {k: v / max(n_tok, 1) for k, v in sums.items()}
         out["eval/accuracy"] = correct / max(len(self.problems), 1)
@@ -187,7 +187,7 @@ class Evaluator:
             seeds = [EVAL_SAMPLE_SEED + (start + i) * k + j for i in range(len(chunk)) for j in range(k)]
             batch = engine.generate(prompts, seeds, n_samples=k).to(device)
             texts = decode_responses(self.tokenizer, batch)
-            ent_sum += self.position_sums(batch, {})[ENTROPY]
+            ent_sum += self.position_sums(batch, {}, True)[ENTROPY]
             n_tok += batch.num_response_tokens
             for i, p in enumerate(chunk):
                 rows = texts[i * k : (i + 1) * k]

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 import torch
 
 from opd_exp.divergences.full import default_chunk_size
+from opd_exp.training.evaluate import ENTROPY
 from opd_exp.training.objective import Objective, Output, Tally
 from opd_exp.training.rollout import Batch, sampling_logits
 from opd_exp.training.scoring import entropy, token_logprobs
@@ -189,6 +190,7 @@ def fused_position_sums(
     teacher: FusedTeacher,
     batch: Batch,
     divergences: Mapping,
+    with_entropy: bool = False,
     *,
     vocab_size: int,
     temperature: float,
@@ -198,16 +200,16 @@ def fused_position_sums(
     autocast=contextlib.nullcontext,
 ) -> dict[str, float]:
     """Evaluation through the fused path: sums over the response positions of each divergence's
-    exact value and of the student's entropy (key ``entropy``), the logits of both models
-    computed a chunk of positions at a time from their hidden states (no ``[N, R, V]``)."""
+    exact value (and with ``with_entropy`` of the student's entropy, key ``ENTROPY``), the logits
+    of both models computed a chunk of positions at a time from their hidden states (no
+    ``[N, R, V]``): ``Evaluator``'s ``position_sums``."""
     mask = batch.response_mask.bool()
     positions = chunk_positions or 2 * default_chunk_size(vocab_size)
     head = student.get_output_embeddings()
     with autocast():
         h_student = response_hidden(student, batch)
     h_teacher = teacher.hidden(batch) if divergences else None  # the entropy alone needs no teacher
-    sums = dict.fromkeys(divergences, 0.0)
-    sums["entropy"] = 0.0
+    sums = dict.fromkeys([*divergences, *([ENTROPY] if with_entropy else [])], 0.0)
     for rows, cols in _chunks(mask, True, positions):
         with autocast():
             zs = sampling_logits(lm_head_logits(h_student[rows, cols], head, vocab_size), temperature, top_k, top_p)
@@ -215,5 +217,6 @@ def fused_position_sums(
             zt = teacher.chunk_logits(h_teacher[rows.to(h_teacher.device), cols.to(h_teacher.device)], mask.device)
             for name, d in divergences.items():
                 sums[name] += float(d.full(zs, zt).sum())
-        sums["entropy"] += float(entropy(zs).sum())
+        if with_entropy:
+            sums[ENTROPY] += float(entropy(zs).sum())
     return sums

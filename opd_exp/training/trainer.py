@@ -336,7 +336,7 @@ class Trainer:
             check_teacher=check,
         )
 
-    def _fused_eval_sums(self, batch, divergences) -> dict[str, float]:
+    def _fused_eval_sums(self, batch, divergences, with_entropy: bool) -> dict[str, float]:
         """Eval's per-position sums through the fused LM-head path (see ``Evaluator``)."""
         from opd_exp.training.fused import fused_position_sums
 
@@ -347,6 +347,7 @@ class Trainer:
                 self.fused_teacher,
                 batch,
                 divergences,
+                with_entropy,
                 vocab_size=self.vocab_size,
                 temperature=ro.temperature,
                 top_k=ro.top_k,
