@@ -1,6 +1,7 @@
 """The fused LM-head path equals the materialised one: loss, every metric sum and the gradient
 of every student parameter, in fp64, for every divergence x estimator x loss x credit the
-config allows, student- and teacher-sampled batches, with sampling filters and temperatures."""
+config allows (each with every ``loss.positions``), student- and teacher-sampled batches, with
+sampling filters and temperatures."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from helpers.tiny import AddTask, small_config
-from opd_exp.config.schema import Credit, DivergenceName, EstimatorName, FusedLmHead, LossName, ParamDtype, Precision, validate
+from opd_exp.config.schema import Credit, DivergenceName, EstimatorName, FusedLmHead, LossName, ParamDtype, Positions, Precision, validate
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.fused import FusedTeacher, fused_accumulate, unsupported_reason
 from opd_exp.training.objective import Objective
@@ -102,12 +103,17 @@ def _batch(pair, ro):
     )
 
 
+# loss.positions with its fraction: a chunk of per-token positions spans several rows, and the
+# first/last share is of each row's response, never of the chunk
+POSITIONS = [(Positions.all, 0.3), (Positions.first, 0.3), (Positions.last, 0.45)]
+
+
+@pytest.mark.parametrize("positions,fraction", POSITIONS)
 @pytest.mark.parametrize("div,est,loss,credit", COMBOS)
-def test_fused_equals_materialised_for_every_objective(pair64, div, est, loss, credit):
+def test_fused_equals_materialised_for_every_objective(pair64, div, est, loss, credit, positions, fraction):
     ro = dict(temperature=0.9, top_k=0, top_p=1.0, max_new_tokens=6, max_prompt_tokens=8)
-    cfg = small_config(
-        divergence=dict(name=div, temperature=1.3), estimator=dict(name=est, k=4), loss=dict(name=loss, credit=credit), rollout=ro
-    )
+    lo = dict(name=loss, credit=credit, positions=positions, position_fraction=fraction)
+    cfg = small_config(divergence=dict(name=div, temperature=1.3), estimator=dict(name=est, k=4), loss=lo, rollout=ro)
     batch = _batch(pair64, ro)
     assert not batch.response_mask.all()  # some rows ended early: masks matter
     _assert_equal(*_both_paths(pair64, cfg, batch, on_policy=True, chunk=5))
@@ -117,8 +123,12 @@ def test_fused_equals_materialised_for_every_objective(pair64, div, est, loss, c
 @pytest.mark.parametrize("on_policy", [True, False])
 def test_fused_equals_materialised_with_filters_and_teacher_batches(pair64, temperature, top_k, top_p, on_policy):
     ro = dict(temperature=temperature, top_k=top_k, top_p=top_p, max_new_tokens=6, max_prompt_tokens=8)
-    for div, est, loss, credit in [("jsd", "full", "direct", "token"), ("rkl", "sampled", "ppo", "sequence")]:
-        cfg = small_config(divergence=dict(name=div), estimator=dict(name=est), loss=dict(name=loss, credit=credit), rollout=ro)
+    for div, est, loss, credit, positions in [
+        ("jsd", "full", "direct", "token", Positions.first),
+        ("rkl", "sampled", "ppo", "sequence", Positions.last),
+    ]:
+        lo = dict(name=loss, credit=credit, positions=positions, position_fraction=0.4)
+        cfg = small_config(divergence=dict(name=div), estimator=dict(name=est), loss=lo, rollout=ro)
         batch = _batch(pair64, ro)
         for chunk in (1, 7, 10_000):  # one position, ragged chunks, everything at once
             _assert_equal(*_both_paths(pair64, cfg, batch, on_policy=on_policy, chunk=chunk))

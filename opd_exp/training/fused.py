@@ -30,7 +30,7 @@ import torch
 
 from opd_exp.divergences.full import default_chunk_size
 from opd_exp.training.evaluate import ENTROPY
-from opd_exp.training.objective import Objective, Output, Tally
+from opd_exp.training.objective import Objective, Output, Tally, position_mask
 from opd_exp.training.rollout import Batch, sampling_logits
 from opd_exp.training.scoring import entropy, token_logprobs
 
@@ -140,6 +140,9 @@ def fused_accumulate(
     positions = chunk_positions or 2 * default_chunk_size(vocab_size)  # ~64 MiB per [chunk, V] fp32 buffer
     per_token = not on_policy or cfg.loss.credit.value == "token"
     head = student.get_output_embeddings()
+    # which positions count in the loss is a property of each row's whole response: decided here,
+    # before the rows are cut into chunks of positions
+    counted = position_mask(mask, cfg.loss.positions.value, cfg.loss.position_fraction)
 
     with autocast():
         h_student = response_hidden(student, batch)  # graph through the backbone kept for the last backward
@@ -163,9 +166,8 @@ def fused_accumulate(
         with autocast():
             zs = sampling_logits(lm_head_logits(hc, head, vocab_size), temperature, top_k, top_p)
         yc, mc = pick(y), pick(mask)
-        out = objective(
-            zs, zt, yc, mc, on_policy=on_policy, normalizer=normalizer, engine_logprobs=None if engine_lp is None else pick(engine_lp)
-        )
+        lp_c = None if engine_lp is None else pick(engine_lp)
+        out = objective(zs, zt, yc, mc, on_policy=on_policy, normalizer=normalizer, engine_logprobs=lp_c, counted=pick(counted))
         out.loss.backward()  # into head.weight.grad (and bias), and hc.grad
         if logprobs is None:
             logprobs = torch.zeros(N, R, dtype=zs.dtype, device=mask.device)

@@ -26,6 +26,13 @@ Monitors beside the estimates, on the step's own rollout (no grad, chunked): the
 divergences (``exact/*``), the teacher's entropy, the top-k agreement of the two
 distributions (``overlap/*``), and how far the engine's log-probs of its samples are from
 the trainer's (``rollout/logprob_gap``).
+
+The teacher comes as ``TeacherScores``: dense logits (in-process), or a sparse payload (a
+served teacher: top-k ids and log-probs, the sampled token's log-prob). A sparse teacher whose
+k does not cover the vocabulary feeds the estimators that need no more than that
+(``topk``/``topk_renorm``, and ``sampled``); whatever needs the teacher's whole distribution
+(``exact/*``, ``teacher/entropy``, ``overlap/*``, the filtered-mass term, off-policy steps) is
+refused at start-up or not logged (``SPARSE_DROPPED``).
 """
 
 from __future__ import annotations
@@ -36,8 +43,9 @@ import torch
 
 from opd_exp.config.schema import Credit, EstimatorName, LossName, TrainConfig
 from opd_exp.divergences import filtered_value, get_divergence, sequence_returns, topk_estimate
+from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.monitors import step_monitors
-from opd_exp.training.scoring import teacher_topk, token_logprobs
+from opd_exp.training.scoring import TeacherScores, entropy, token_logprobs
 
 # Per-token metrics summed over response tokens (divide by the global token count).
 TOKEN_METRICS = (
@@ -56,12 +64,14 @@ AGREEMENT_METRICS = ("teacher/entropy", "overlap/teacher_mass", "overlap/student
 # Under top-k / top-p KL(T||S) is infinite wherever the teacher has mass the filter removed:
 # these are not logged then (never a large finite stand-in).
 FORWARD_KL_METRICS = ("kl/forward", "exact/kl_forward")
+# Need the teacher's whole distribution: not logged with a sparse teacher (k < V).
+SPARSE_DROPPED = EXACT_METRICS + AGREEMENT_METRICS
 
 
 def position_mask(mask: torch.Tensor, positions: str, fraction: float) -> torch.Tensor:
     """The response positions that count in the loss: ``all`` of them, or the ``first`` /
     ``last`` ceil(fraction * L) of each row's L response tokens (``mask`` is [N, R], a prefix
-    of each row)."""
+    of each row: whole rows, never a chunk of positions gathered from several)."""
     m = mask.bool()
     if positions == "all":
         return m
@@ -114,9 +124,39 @@ def logprob_gap(engine_lp: torch.Tensor, trainer_lp: torch.Tensor, mask: torch.T
     return float(gap.sum()), float(gap.max()) if gap.numel() else 0.0
 
 
+def check_sparse_teacher(cfg: TrainConfig, k: int, vocab_size: int) -> None:
+    """A sparse teacher (top-``k`` of ``vocab_size`` tokens, k < V) feeds only what needs no
+    more than the top-k and the sampled token: one line otherwise, before training."""
+    est, ro = cfg.estimator.name, cfg.rollout
+    where = f"with teacher=served and teacher.k={k} < the vocabulary's {vocab_size} tokens"
+    if est is EstimatorName.full:
+        raise ConfigError(
+            f"estimator.name='full' is not allowed {where} (the exact loss needs every teacher log-prob); "
+            "allowed: topk (exact top-k + unbiased tail), topk_renorm, or sampled; full only where teacher.k covers the vocabulary"
+        )
+    if est in (EstimatorName.topk, EstimatorName.topk_renorm) and cfg.estimator.k > k:
+        raise ConfigError(f"estimator.k={cfg.estimator.k} is not allowed {where}; allowed: estimator.k <= teacher.k")
+    if ro.filtered:
+        key, value = ("rollout.top_k", ro.top_k) if ro.top_k > 0 else ("rollout.top_p", ro.top_p)
+        raise ConfigError(
+            f"{key}={value!r} is not allowed {where} (the filtered-mass term needs the teacher's whole distribution); "
+            "allowed: rollout.top_k=0 and rollout.top_p=1.0, or teacher=in_process"
+        )
+    if ro.on_policy_fraction < 1.0:
+        raise ConfigError(
+            f"rollout.on_policy_fraction={ro.on_policy_fraction!r} is not allowed {where} (teacher-sampled steps use the exact "
+            "full-vocabulary loss); allowed: 1.0, or teacher=in_process"
+        )
+
+
 class Objective:
-    def __init__(self, cfg: TrainConfig):
+    def __init__(self, cfg: TrainConfig, teacher_k: int | None = None, vocab_size: int | None = None):
+        """``teacher_k``: the top-k of a sparse teacher that does not cover the ``vocab_size``
+        tokens (None: a dense teacher, or one whose payload is rebuilt dense)."""
         self.cfg = cfg
+        self.sparse = teacher_k is not None
+        if self.sparse:
+            check_sparse_teacher(cfg, teacher_k, int(vocab_size or 0))
         self.div = get_divergence(cfg.divergence.name.value, **cfg.divergence.params())
         self.jsd = get_divergence("jsd", beta=metric_beta(cfg))
         self.rkl = get_divergence("rkl")
@@ -134,25 +174,37 @@ class Objective:
         """The per-token metrics this objective reports on a student-sampled step."""
         agreement = AGREEMENT_METRICS if self.cfg.trainer.overlap_k else AGREEMENT_METRICS[:1]  # k=0: teacher entropy only
         names = [*TOKEN_METRICS, *(EXACT_METRICS if self.cfg.trainer.exact_metrics else ()), *agreement]
-        return tuple(k for k in names if not (self.filtered and k in FORWARD_KL_METRICS))
+        return tuple(k for k in names if not (self.filtered and k in FORWARD_KL_METRICS) and not (self.sparse and k in SPARSE_DROPPED))
 
     def __call__(
         self,
         student_z: torch.Tensor,
-        teacher_z: torch.Tensor,
+        teacher: TeacherScores | torch.Tensor,
         response_ids: torch.Tensor,
         mask: torch.Tensor,
         *,
         on_policy: bool,
         normalizer: float,
         engine_logprobs: torch.Tensor | None = None,
+        counted: torch.Tensor | None = None,
     ) -> Output:
+        """``counted``: the positions the loss counts, ``position_mask`` of the rows' whole response
+        masks (a caller that passes a chunk of positions from several rows computes it per row
+        first); by default computed here, ``mask`` being whole rows."""
         cfg = self.cfg
+        # the teacher: its TeacherScores, or its dense tempered logits
+        scores = teacher if isinstance(teacher, TeacherScores) else TeacherScores(logits=teacher)
+        if scores.dense == self.sparse or (self.sparse and not on_policy):
+            raise ValueError(
+                f"Objective: built for a {'sparse' if self.sparse else 'dense'} teacher, given "
+                f"{'dense' if scores.dense else 'sparse'} scores on a {'student' if on_policy else 'teacher'}-sampled batch"
+            )
+        teacher_z = scores.logits  # None for a sparse teacher
         zero = torch.zeros((), dtype=student_z.dtype, device=student_z.device)
         kl_coef = cfg.loss.kl_coef
         chunk = cfg.estimator.chunk_size
         s = token_logprobs(student_z, response_ids)  # log S(y_t), with grad
-        t = token_logprobs(teacher_z, response_ids).detach()  # log T(y_t)
+        t = scores.token_logprobs(response_ids).detach()  # log T(y_t)
         s0 = s.detach()
         # A token our (filtered) distribution gives probability 0: log S = -1e9. Sampled by the
         # student, it is outside the recomputed top-k/top-p set (engine numerics): a cost of
@@ -167,9 +219,11 @@ class Objective:
             advantages = -kl_coef * d_exact.detach()
             clipped, trained_exact = None, d_exact.detach()
         else:
-            per_token, advantages, clipped, trained_exact = self._on_policy(student_z, teacher_z, response_ids, m, s, t)
+            per_token, advantages, clipped, trained_exact = self._on_policy(student_z, scores, response_ids, m, s, t)
 
-        counted = position_mask(m, cfg.loss.positions.value, cfg.loss.position_fraction)
+        if counted is None:
+            counted = position_mask(mask, cfg.loss.positions.value, cfg.loss.position_fraction)
+        counted = counted.bool() & m
         loss = torch.where(counted, per_token, zero).sum() / max(float(normalizer), 1.0)
 
         with torch.no_grad():
@@ -180,14 +234,18 @@ class Objective:
             # the exact value the loss already computed (estimator=full, or a teacher-sampled step)
             # is not computed twice: the same chunks through the same rows_value
             known = dict.fromkeys(self.exact_is_trained, trained_exact) if trained_exact is not None else {}
-            mon = step_monitors(
-                zs,
-                teacher_z,
-                m,
-                divergences={n: d for n, d in self.exact_order.items() if n in exact_names and n not in known},
-                k=cfg.trainer.overlap_k,
-                chunk_rows=chunk,
-            )
+            if self.sparse:  # only the student's side exists over the whole vocabulary
+                exact_names = ()
+                mon = {"student/entropy": torch.zeros(m.shape, dtype=torch.float32, device=m.device).masked_scatter_(m, entropy(zs[m]))}
+            else:
+                mon = step_monitors(
+                    zs,
+                    teacher_z,
+                    m,
+                    divergences={n: d for n, d in self.exact_order.items() if n in exact_names and n not in known},
+                    k=cfg.trainer.overlap_k,
+                    chunk_rows=chunk,
+                )
             exact = {n: known.get(n, mon.get(n)) for n in exact_names}
             if on_policy:  # unbiased single-sample estimates under y ~ S
                 jsd, rkl = (self.value(d, s0, t, zs, teacher_z, m) for d in (self.jsd, self.rkl))
@@ -203,7 +261,7 @@ class Objective:
                 "teacher/logprob_mean": t,
                 "student/entropy": mon["student/entropy"],
             }
-            if cfg.trainer.exact_metrics:
+            if cfg.trainer.exact_metrics and not self.sparse:
                 values.update(exact)
             values.update({n: mon[n] for n in AGREEMENT_METRICS if n in mon})
             if self.filtered:
@@ -227,8 +285,9 @@ class Objective:
             v = v + filtered_value(d, student_z, teacher_z, mask=m, chunk_size=self.cfg.estimator.chunk_size).to(v.dtype)
         return v
 
-    def _on_policy(self, student_z, teacher_z, y, m, s, t):
+    def _on_policy(self, student_z, scores: TeacherScores, y, m, s, t):
         cfg = self.cfg
+        teacher_z = scores.logits
         kl_coef, credit, gamma = cfg.loss.kl_coef, cfg.loss.credit, cfg.loss.gamma
         est, form = cfg.estimator.name, cfg.loss.name
         s0 = s.detach()
@@ -255,7 +314,7 @@ class Objective:
             surrogate = self.div.full(student_z, teacher_z, mask=m, chunk_size=cfg.estimator.chunk_size)
             value = surrogate.detach()
         else:
-            tk_lp, tk_ids = teacher_topk(teacher_z, cfg.estimator.k)
+            tk_lp, tk_ids = scores.topk(cfg.estimator.k)
             renorm = est is EstimatorName.topk_renorm
             surrogate, value = topk_estimate(self.div, student_z, tk_lp, tk_ids, y, t, renormalize=renorm)
             value = value.detach()
