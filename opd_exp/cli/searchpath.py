@@ -8,13 +8,11 @@ sweep picks by name. ``opd_exp.cli.train`` registers the plugin when imported, s
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from hydra.core.config_search_path import ConfigSearchPath
 from hydra.core.plugins import Plugins
 from hydra.plugins.search_path_plugin import SearchPathPlugin
 
-SWEEPS_DIR = Path(__file__).resolve().parents[2] / "sweeps"
+from opd_exp.config.folders import SWEEPS_DIR
 
 
 class OpdSweepsSearchPath(SearchPathPlugin):

@@ -24,7 +24,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
 from opd_exp.cli.searchpath import register as register_sweeps
-from opd_exp.config import TrainConfig, register_configs
+from opd_exp.config import TrainConfig, folders, register_configs
 from opd_exp.runtime.errors import ConfigError, first_line
 from opd_exp.runtime.guards import EXIT_CONFIG, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED, Diverged, Preempted
 
@@ -61,7 +61,7 @@ def _reject_unknown_keys(obj, prefix: str = "") -> None:
 
 
 # An absolute path: as a console script, Hydra would resolve "../conf" as a module and fail.
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+CONF_DIR = str(folders.CONF_DIR)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="train")

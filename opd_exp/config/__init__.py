@@ -43,11 +43,10 @@ def register_configs() -> None:
 def store_divergence_options(store) -> None:
     """``divergence=<name>`` for every registered divergence without a conf/divergence/ file
     (a registered one needs no YAML; Hydra lists it among the options)."""
-    from pathlib import Path
-
+    from opd_exp.config.folders import CONF_DIR
     from opd_exp.divergences import DIVERGENCES
 
-    conf = Path(__file__).resolve().parents[2] / "conf" / "divergence"
+    conf = CONF_DIR / "divergence"
     for name in DIVERGENCES:
         if not (conf / f"{name}.yaml").exists():
             store.store(group="divergence", name=name, node={"name": name})

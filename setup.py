@@ -1,0 +1,22 @@
+"""Packaging beyond what pyproject.toml can say: the top-level ``conf/`` and ``sweeps/`` folders travel
+inside the installed package as ``opd_exp.conf`` and ``opd_exp.sweeps`` (``opd_exp/config/folders.py``
+finds them there), so a wheel or a git-URL install trains like a checkout."""
+
+from pathlib import Path
+
+from setuptools import find_namespace_packages, setup
+
+DATA = ["*.yaml", "*.jsonl", "*.json", "*.safetensors", "*.txt"]
+# every folder below a shipped one is a package of its own, so its files are package data
+SHIPPED = {
+    "opd_exp." + ".".join(folder.parts): str(folder)
+    for top in ("conf", "sweeps")
+    for folder in [Path(top), *sorted(p for p in Path(top).rglob("*") if p.is_dir())]
+}
+PACKAGES = find_namespace_packages(include=["opd_exp", "opd_exp.*"], exclude=["*.__pycache__"])
+
+setup(
+    packages=PACKAGES + list(SHIPPED),
+    package_dir=SHIPPED,
+    package_data=dict.fromkeys(PACKAGES + list(SHIPPED), DATA),
+)
