@@ -15,6 +15,11 @@ and +inf for fkl wherever the teacher puts mass on a filtered entry (KL(T||S) is
 the trainer refuses fkl with a filter).
 F does not depend on the student's logits inside the support, so it adds nothing to the
 gradient: only values (metrics, sequence credit) need it.
+
+The top-k estimator's tail estimates with phi(y) / S(y) itself (``pointwise_over_prob``), not
+with ``token_value``: what it cannot see is phi(-inf, t_v) on every filtered entry outside the
+teacher's top-k, for every divergence (``pointwise=True``). For tvd that is 0.5 * T_v, not the
+0 that completes its one-sided ``token_value``.
 """
 
 from __future__ import annotations
@@ -43,12 +48,14 @@ def filtered_value(
     *,
     mask: torch.Tensor | None = None,
     exclude_ids: torch.Tensor | None = None,
+    pointwise: bool = False,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     """F per position, ``[..., V] -> [...]``: sum of ``outside_value(t_v)`` over the entries where the
     student's (filtered) distribution is 0; no gradient. ``exclude_ids`` ``[..., k]``: entries
-    left out of the sum (the top-k estimator computes them exactly already). Positions where
-    ``mask`` is false give 0. Works a chunk of rows at a time."""
+    left out of the sum (the top-k estimator computes them exactly already). ``pointwise``: sum
+    phi(-inf, t_v) instead, the complement of a ``pointwise_over_prob`` estimate (the top-k tail).
+    Positions where ``mask`` is false give 0. Works a chunk of rows at a time."""
     lead, V = student_logits.shape[:-1], student_logits.shape[-1]
     zs = student_logits.detach().reshape(-1, V)
     zt = teacher_logits.detach().reshape(-1, V)
@@ -65,6 +72,6 @@ def filtered_value(
         if not outside.any():
             continue
         t = torch.log_softmax(zt.index_select(0, idx).to(dtype), dim=-1)
-        phi = div.outside_value(t)
+        phi = div.pointwise(torch.full_like(t, float("-inf")), t) if pointwise else div.outside_value(t)
         out[idx] = torch.where(outside, phi, torch.zeros((), dtype=dtype, device=phi.device)).sum(-1)
     return out.reshape(lead)

@@ -320,7 +320,7 @@ class Objective:
             value = value.detach()
             if self.filtered and not renorm:  # the tail's filtered entries, outside the exact head
                 value = value + filtered_value(
-                    self.div, student_z, teacher_z, mask=m, exclude_ids=tk_ids, chunk_size=cfg.estimator.chunk_size
+                    self.div, student_z, teacher_z, mask=m, exclude_ids=tk_ids, pointwise=True, chunk_size=cfg.estimator.chunk_size
                 ).to(value.dtype)
             if self.report_clip and not renorm:  # only the tail term uses the (clipped) cost
                 clipped = self.div.clipped(s0, t) & ~(tk_ids == y.unsqueeze(-1)).any(-1)
