@@ -9,9 +9,11 @@ exactly (and differentiated exactly); the tail is estimated from the sampled tok
 E_y[value] = D and E_y[grad surrogate] = grad D at every k (score = d phi / d S; the tail
 has no baseline because sum_{v not in K} S_v grad log S_v != 0).
 
-``renormalize=True`` is the ms-swift / verl variant: both distributions renormalised over
+``renormalize=True`` is the ms-swift / NeMo-RL variant: both distributions renormalised over
 the teacher's top-k and D computed there. It is biased (it ignores the tail mass and
 distorts the kept part) and is offered only under the explicit name ``topk_renorm``.
+(verl's top-k losses are neither: full-vocabulary log-probs summed over the union of the
+student's and teacher's top-k, i.e. the exact sum above without the tail term.)
 """
 
 from __future__ import annotations
