@@ -145,6 +145,11 @@ class FusedLmHead(Enum):
     off = "off"  # always the materialised [N, R, V] logits
 
 
+class TeacherName(Enum):
+    in_process = "in_process"  # the teacher model in the training process (dense logits)
+    served = "served"  # a vLLM OpenAI-compatible server (top-k + sampled-token log-probs)
+
+
 class LoggerName(Enum):
     wandb = "wandb"
     none = "none"
@@ -414,6 +419,56 @@ class TrainerConfig:
 
 
 @dataclass
+class TeacherConfig:
+    """Where the teacher's scores come from (docs/engines.md). Only ``name`` matters in process."""
+
+    # in_process: the pair's teacher in this process | served: a stock vLLM OpenAI-compatible
+    # server (opd-serve-teacher starts one), read through its prompt_logprobs
+    name: TeacherName = TeacherName.in_process
+    # served: http://HOST:PORT of the server (where it runs; not part of the teacher's identity)
+    url: str | None = None
+    # served: the model name the server serves (vLLM --served-model-name)
+    model: str = "teacher"
+    # served: top-k log-probs asked per position (vLLM prompt_logprobs; the server's
+    # --max-logprobs must allow it); null: estimator.k. The exact loss needs k >= vocabulary
+    k: int | None = None
+    # served: seconds one request may take before it counts as failed
+    timeout_s: float = 120.0
+    # served: attempts after a failed request (connection error, 5xx, timeout), then the run stops
+    retries: int = 3
+    # served: seconds before the first retry, doubled at each next one
+    backoff_s: float = 1.0
+    # served: sequences per request (the server batches them)
+    rows_per_request: int = 8
+    # served: requests in flight at once (a thread each)
+    max_in_flight: int = 4
+    # served: send every micro-batch's request at the step's start, so the server scores
+    # micro-batch i+1 while the trainer computes micro-batch i (same scores, same step)
+    overlap: bool = True
+    # served: before training, score one sequence twice (equal) and compare it with the pair's
+    # in-process teacher; refuse when they differ by more than self_test_atol (nats, max over tokens)
+    self_test: bool = True
+    self_test_atol: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if self.k is not None:
+            _check(isinstance(self.k, int) and self.k >= 1, "teacher.k", self.k, "null (estimator.k) or an integer >= 1")
+        _check(_finite(self.timeout_s) and self.timeout_s > 0, "teacher.timeout_s", self.timeout_s, "> 0")
+        _check(isinstance(self.retries, int) and self.retries >= 0, "teacher.retries", self.retries, "integer >= 0")
+        _check(_finite(self.backoff_s) and self.backoff_s >= 0, "teacher.backoff_s", self.backoff_s, ">= 0")
+        _check(self.rows_per_request >= 1, "teacher.rows_per_request", self.rows_per_request, "integer >= 1")
+        _check(self.max_in_flight >= 1, "teacher.max_in_flight", self.max_in_flight, "integer >= 1")
+        _check(_finite(self.self_test_atol) and self.self_test_atol > 0, "teacher.self_test_atol", self.self_test_atol, "> 0")
+        if self.url is not None:
+            ok = self.url.startswith(("http://", "https://")) and len(self.url.split("://", 1)[1].strip("/")) > 0
+            _check(ok, "teacher.url", self.url, "http://HOST:PORT (the server opd-serve-teacher prints)")
+
+    @property
+    def served(self) -> bool:
+        return self.name is TeacherName.served
+
+
+@dataclass
 class LoggerConfig:
     """Where metrics go besides metrics.jsonl (always written)."""
 
@@ -448,6 +503,7 @@ class TrainConfig:
     loss: LossConfig = field(default_factory=LossConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    teacher: TeacherConfig = field(default_factory=TeacherConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     # free-form run name (W&B name, summary line)
     name: str | None = None
@@ -515,9 +571,32 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _fail("trainer.fused_lm_head", "on", "auto or off with trainer.lora_rank > 0 (a LoRA student's backbone is wrapped)")
     if cfg.rollout.engine is RolloutEngine.lean and tc.parallel is Parallel.fsdp:
         _fail("rollout.engine", "lean", "hf or vllm with trainer.parallel=fsdp (sharded forwards need generate's synced_gpus)")
+    validate_teacher(cfg)
     if cfg.rollout.engine is RolloutEngine.vllm:
         if tc.parallel is not Parallel.none:
             _fail("rollout.engine", "vllm", f"hf with trainer.parallel={tc.parallel.value} (the vLLM engine is single-process for now)")
         if tc.lora_rank:
             _fail("rollout.engine", "vllm", "hf with trainer.lora_rank > 0 (adapter weights are not synced into vLLM)")
     return cfg
+
+
+def validate_teacher(cfg: TrainConfig) -> None:
+    """What a served teacher cannot do, known from the config alone (what depends on the
+    vocabulary is checked by the objective once the pair is loaded)."""
+    te = cfg.teacher
+    if not te.served:
+        return
+    if te.url is None:
+        _fail("teacher.url", None, "http://HOST:PORT of a running vLLM server with teacher=served (opd-serve-teacher prints it)")
+    if cfg.divergence.temperature != 1.0:
+        _fail(
+            "divergence.temperature",
+            cfg.divergence.temperature,
+            "1.0 with teacher=served (a server returns log-probs of the untempered logits; those of tempered logits cannot be "
+            "recovered from its top-k), or teacher=in_process",
+        )
+    if cfg.trainer.fused_lm_head is FusedLmHead.on:
+        _fail("trainer.fused_lm_head", "on", "auto or off with teacher=served (the fused head needs the teacher's hidden states)")
+    k = te.k if te.k is not None else cfg.estimator.k
+    if cfg.estimator.name in (EstimatorName.topk, EstimatorName.topk_renorm) and cfg.estimator.k > k:
+        _fail("estimator.k", cfg.estimator.k, f"at most teacher.k={k} with teacher=served (the server sends its top-{k})")

@@ -39,8 +39,22 @@ IGNORED = frozenset(
         "trainer.eval_every",
         "trainer.eval_batch_size",
         "model_pair.embedded.threads",
+        # a served teacher: where it runs and how it is reached (its identity is SERVED_IDENTITY)
+        "teacher.url",
+        "teacher.timeout_s",
+        "teacher.retries",
+        "teacher.backoff_s",
+        "teacher.rows_per_request",
+        "teacher.max_in_flight",
+        "teacher.overlap",
+        "teacher.self_test",
+        "teacher.self_test_atol",
     }
 )
+# What a served teacher reports about itself once connected (``ServedTeacher.identity``): the
+# trainer adds it to the fingerprint, so a resume against another teacher is refused there;
+# the check before the models load (``check_run_folder``) cannot know it yet.
+SERVED_IDENTITY = "teacher.server."
 
 
 def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -56,6 +70,8 @@ def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
 def config_fingerprint(cfg: Any) -> dict[str, Any]:
     """The settings of ``cfg`` (a TrainConfig) that shape the run, flattened and JSON-able."""
     flat = flatten(scrub(plain_config(cfg)))
+    if flat.get("teacher.name", "in_process") == "in_process":  # the default: fingerprints as before the group existed
+        flat = {k: v for k, v in flat.items() if not k.startswith("teacher.")}
     return {k: v for k, v in sorted(flat.items()) if k not in IGNORED and not k.startswith(IGNORED_PREFIXES)}
 
 
@@ -121,6 +137,8 @@ def check_run_folder(run_dir: Path, cfg: Any) -> None:
         stored = json.loads((path / "state.json").read_text()).get("config")
     except (OSError, ValueError):
         return  # damaged: restore sets it aside and says so
+    if isinstance(stored, dict):
+        stored = {k: v for k, v in stored.items() if not k.startswith(SERVED_IDENTITY)}
     line = refusal(Path(run_dir), stored, config_fingerprint(cfg)) if isinstance(stored, dict) else None
     if line:
         raise ConfigError(line)

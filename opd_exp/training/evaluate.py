@@ -139,7 +139,9 @@ class Evaluator:
 
     def _materialised_sums(self, batch: Batch, divergences: Mapping[str, Divergence], with_entropy: bool) -> dict[str, float]:
         zs = self.student_logits(batch)
-        zt = self.teacher.logits(batch) if divergences else None  # the entropy alone needs no teacher
+        # dense (in-process, or a served payload that covers the vocabulary): the trainer passes no
+        # divergences for a sparse teacher; the entropy alone needs no teacher
+        zt = self.teacher.score(batch).logits if divergences else None
         return logit_sums(zs, zt, batch.response_mask, divergences, self.chunk_size, with_entropy)
 
     def _batches(self, engine):

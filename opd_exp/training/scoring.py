@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -88,13 +90,97 @@ def dropout_off(model) -> Iterator[None]:
             m.training = mode
 
 
+@dataclass(frozen=True)
+class TeacherScores:
+    """What a teacher scorer returns for the R response positions of a batch.
+
+    Dense (in-process): ``logits`` ``[N, R, V]``, the teacher's logits divided by the divergence
+    temperature (fp32, no grad). Sparse (a served teacher): per position the ids ``[N, R, k]`` of
+    the teacher's top-k tokens (by rank), their log-probs normalised over the WHOLE vocabulary,
+    and the log-prob of the sampled token ``[N, R]``: what ``divergences.topk_estimate`` needs,
+    exact on the top-k and unbiased in the tail at any k. Positions outside the response mask
+    hold finite filler."""
+
+    logits: torch.Tensor | None = None
+    topk_ids: torch.Tensor | None = None
+    topk_logprobs: torch.Tensor | None = None
+    sampled_logprobs: torch.Tensor | None = None
+
+    @property
+    def dense(self) -> bool:
+        return self.logits is not None
+
+    @property
+    def k(self) -> int:
+        """Top-k size of a sparse payload."""
+        return int(self.topk_ids.shape[-1])
+
+    def token_logprobs(self, ids: torch.Tensor) -> torch.Tensor:
+        """log T(y_t) of the sampled tokens ``ids`` ``[N, R]``."""
+        return token_logprobs(self.logits, ids) if self.dense else self.sampled_logprobs
+
+    def topk(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log-probs, ids) of the teacher's top-k, normalised over the whole vocabulary."""
+        if self.dense:
+            return teacher_topk(self.logits, k)
+        if k > self.k:
+            raise ValueError(f"TeacherScores: top-{k} asked of a payload that holds the top-{self.k}")
+        return self.topk_logprobs[..., :k], self.topk_ids[..., :k]
+
+    def finite_check(self) -> torch.Tensor:
+        """The tensor whose entries must all be finite for the loss to be."""
+        return self.logits if self.dense else torch.cat([self.topk_logprobs.flatten(), self.sampled_logprobs.flatten()])
+
+    def to(self, device) -> TeacherScores:
+        move = lambda x: None if x is None else x.to(device)
+        return TeacherScores(move(self.logits), move(self.topk_ids), move(self.topk_logprobs), move(self.sampled_logprobs))
+
+
+def dense_from_topk(topk_ids: torch.Tensor, topk_logprobs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[..., V]`` log-probs from a top-k payload whose k covers the whole vocabulary: exact
+    (log-probs are logits whose log-softmax is themselves). Refuses a payload with a gap."""
+    out = torch.full((*topk_ids.shape[:-1], vocab_size), float("nan"), dtype=topk_logprobs.dtype, device=topk_logprobs.device)
+    out.scatter_(-1, topk_ids, topk_logprobs)
+    if torch.isnan(out).any():
+        raise ValueError(f"dense_from_topk: the top-{topk_ids.shape[-1]} payload does not cover all {vocab_size} tokens at every position")
+    return out
+
+
+class Pending:
+    """A teacher score on its way: ``result()`` waits for it (and raises its error)."""
+
+    def __init__(self, compute: Callable[[], TeacherScores]):
+        self._compute = compute
+
+    def result(self) -> TeacherScores:
+        return self._compute()
+
+    def cancel(self) -> None:
+        """Give up on a score not yet needed (a step that stops early)."""
+
+
 class TeacherScorer(abc.ABC):
-    """Scores a batch with the frozen teacher: the logits that predict every response token."""
+    """Scores a batch with the frozen teacher at the positions that predict every response token."""
+
+    # the scores cover the teacher's whole distribution (dense, or k >= V): exact metrics exist
+    full_distribution: bool = True
 
     @abc.abstractmethod
-    def logits(self, batch: Batch) -> torch.Tensor:
-        """``[N, R, V]`` teacher logits divided by the divergence temperature (fp32, no grad),
-        on the batch's device."""
+    def score(self, batch: Batch) -> TeacherScores:
+        """The batch's ``TeacherScores`` on the batch's device."""
+
+    def submit(self, batch: Batch) -> Pending:
+        """Start scoring ``batch``; the default scores when the result is asked for (an
+        in-process teacher holds no [N, R, V] logits before they are needed). A served teacher
+        sends the request now, so the trainer's work on earlier micro-batches overlaps it."""
+        return Pending(lambda: self.score(batch))
+
+    def identity(self) -> dict[str, Any]:
+        """What identifies the teacher beyond the config (fingerprinted, in the run record)."""
+        return {}
+
+    def close(self) -> None:  # noqa: B027 - most scorers hold nothing to release
+        """Release connections and threads."""
 
 
 class InProcessTeacher(TeacherScorer):
@@ -104,9 +190,43 @@ class InProcessTeacher(TeacherScorer):
         self.model, self.vocab_size, self.temperature = model, vocab_size, temperature
         self.device, self.autocast = torch.device(device), autocast
 
+    def score(self, batch: Batch) -> TeacherScores:
+        return TeacherScores(logits=self.logits(batch))
+
     def logits(self, batch: Batch) -> torch.Tensor:
+        """``[N, R, V]`` teacher logits divided by the divergence temperature (fp32, no grad),
+        on the batch's device."""
         where = batch.input_ids.device
         with self.autocast():
             if where == self.device:
                 return teacher_logits(self.model, batch, self.vocab_size, temperature=self.temperature)
             return teacher_logits(self.model, batch.to(self.device), self.vocab_size, temperature=self.temperature).to(where)
+
+
+def sparse_teacher_k(cfg, vocab_size: int) -> int | None:
+    """The top-k of a served teacher that does not cover the vocabulary (None: the teacher's
+    whole distribution is there: in-process, or k >= V)."""
+    te = cfg.teacher
+    if not te.served:
+        return None
+    k = te.k if te.k is not None else cfg.estimator.k
+    return None if k >= vocab_size else k
+
+
+def build_teacher_scorer(cfg, model, tokenizer, vocab_size: int, *, device, autocast=contextlib.nullcontext, warn=print) -> TeacherScorer:
+    """``teacher``: the pair's teacher in this process, or a served one (connected, checked and
+    self-tested against the in-process teacher before training)."""
+    local = None
+    if model is not None:
+        local = InProcessTeacher(model, vocab_size, temperature=cfg.divergence.temperature, device=device, autocast=autocast)
+    if not cfg.teacher.served:
+        return local
+    from opd_exp.training.teacher_served import build_served_teacher
+
+    k = sparse_teacher_k(cfg, vocab_size)
+    if k is not None:
+        warn(
+            f"opd-train: teacher=served sends its top-{k} of {vocab_size} tokens: exact/*, teacher/entropy, overlap/* and the eval "
+            "divergences (eval/jsd, eval/kl_*, eval/<divergence>) need its whole distribution and are not logged (docs/engines.md)"
+        )
+    return build_served_teacher(cfg, vocab_size, tokenizer, local, warn=warn)

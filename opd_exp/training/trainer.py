@@ -49,8 +49,9 @@ from opd_exp.training.evaluate import Evaluator
 from opd_exp.training.memory import check_step_memory
 from opd_exp.training.objective import TOKEN_METRICS, Objective, Tally, metric_beta
 from opd_exp.training.rollout import HfRollout, checkpoint_sampling_settings
-from opd_exp.training.scoring import InProcessTeacher, dropout_off, student_logits
+from opd_exp.training.scoring import build_teacher_scorer, dropout_off, sparse_teacher_k, student_logits
 from opd_exp.training.state import DataCursor, TrainState
+from opd_exp.training.teacher_served import TeacherUnavailable
 
 # rollout/logprob_gap above this (nats per token): the engine samples another distribution
 LOGPROB_GAP_WARN = 1e-3
@@ -102,10 +103,11 @@ class Trainer:
             "teacher": self.teacher_engine,
         }
         self.row_keyed = self.dist.row_keyed or ro.engine.value == "vllm"  # per-row generators, not torch's RNG
-        self.teacher_scorer = InProcessTeacher(
-            self.teacher, self.vocab_size, temperature=cfg.divergence.temperature, device=teacher_device, autocast=self.autocast
+        # a sparse teacher's limits are refused before the server is asked anything
+        self.objective = Objective(cfg, teacher_k=sparse_teacher_k(cfg, self.vocab_size), vocab_size=self.vocab_size)
+        self.teacher_scorer = build_teacher_scorer(
+            cfg, self.teacher, self.tokenizer, self.vocab_size, device=teacher_device, autocast=self.autocast, warn=self.warn
         )
-        self.objective = Objective(cfg)
         self.token_metrics = tuple(k for k in TOKEN_METRICS if k in self.objective.token_metric_names)
         for who, model in (("student", pair.student), ("teacher", pair.teacher)):
             ignored = checkpoint_sampling_settings(model)
@@ -121,7 +123,7 @@ class Trainer:
                 f"allowed: 0 (the whole split) up to {len(evals)}, or a larger task.n_eval"
             )
         self.fused_teacher = None
-        if use_fused_lm_head(cfg, self.student, self.teacher, self.vocab_size):
+        if not cfg.teacher.served and use_fused_lm_head(cfg, self.student, self.teacher, self.vocab_size):  # needs teacher hidden states
             from opd_exp.training.fused import FusedTeacher
 
             self.fused_teacher = FusedTeacher(
@@ -134,7 +136,7 @@ class Trainer:
             eval_problems,
             batch_size=tc.eval_batch_size,
             teacher=self.teacher_scorer,
-            divergences=self._eval_divergences(),
+            divergences=self._eval_divergences() if self.teacher_scorer.full_distribution else {},
             student_logits=lambda b: self._student_logits(self.student, b),
             chunk_size=cfg.estimator.chunk_size,
             on_prompts=self._count_truncated,
@@ -152,7 +154,10 @@ class Trainer:
         self.state = TrainState(cursor=DataCursor(len(self.train_problems), cfg.seed), guard=StepGuard(tc.max_bad_steps))
         self._extra_sinks = sinks
         self.pair_record = pair_record(pair)
-        self.fingerprint = fingerprint.config_fingerprint(cfg)
+        served = self.teacher_scorer.identity()  # a served teacher: model, root, max_model_len, k, tokenizer hash
+        if served:
+            self.pair_record["teacher_server"] = {k.rsplit(".", 1)[-1]: v for k, v in served.items()}
+        self.fingerprint = {**fingerprint.config_fingerprint(cfg), **served}
         self._session: dict[str, Any] = {"session": "start", "from_step": 0}
 
     def _eval_divergences(self) -> dict:
@@ -272,10 +277,20 @@ class Trainer:
         every rank runs the same number of micro-batches, and the teacher check is agreed on by
         all ranks before any backward (a collective missed by one rank would hang the others).
         The student is scored with dropout off (as it sampled), gradients kept."""
-        ds = self.dist
         n_tokens = batch.num_response_tokens if n_tokens is None else n_tokens  # every micro-batch divides by it
-        loss_total, tally = 0.0, Tally()
         mbs = list(batch.micro_batches(self.cfg.trainer.micro_batch_size))
+        # every micro-batch's teacher scores asked for now (a served teacher scores micro-batch
+        # i+1 while this process works on i), used in order; a failure stops before any update
+        pending = [] if self.fused_teacher is not None else [self.teacher_scorer.submit(mb) for mb in mbs]
+        try:
+            return self._accumulate(batch, mbs, pending, n_tokens)
+        finally:
+            for p in pending:
+                p.cancel()
+
+    def _accumulate(self, batch, mbs, pending, n_tokens: int) -> tuple[float, Tally]:
+        ds = self.dist
+        loss_total, tally = 0.0, Tally()
         for i, mb in enumerate(mbs):
             if mb.num_response_tokens == 0 and not ds.active:
                 continue
@@ -285,10 +300,10 @@ class Trainer:
                 loss_total += float(out.loss)
                 tally.add(out)
                 continue
-            zt = self.teacher_scorer.logits(mb)
+            zt = pending[i].result()
             # Caught before the loss: a NaN teacher logit would turn the loss (and, through
             # masked positions, the gradient) into NaN with no hint where it came from.
-            bad = nonfinite_summary(zt)
+            bad = nonfinite_summary(zt.finite_check())
             if dist_util.any_rank(bad is not None, ds):
                 where = f"{bad} teacher logits" if bad is not None else "on another rank"
                 raise NonFinite(f"teacher log-probs are not finite at step {self.step + 1} ({where})")
@@ -559,7 +574,11 @@ class Trainer:
             # A signal only sets a flag; it is acted on here, between steps, so a checkpoint is
             # never taken of a half-done step.
             while self.step < tc.max_steps and not self._stop_requested(preempt):
-                metrics = self.train_step()
+                cursor = state.cursor.state_dict()
+                try:
+                    metrics = self.train_step()
+                except TeacherUnavailable as ex:  # before any update: save this boundary, one line
+                    raise self._teacher_lost(ex, cursor) from None
                 last = self.step == tc.max_steps
                 if (tc.eval_every and self.step % tc.eval_every == 0) or last:
                     state.eval_last = self.evaluate()
@@ -586,7 +605,19 @@ class Trainer:
             progress.close()
             self._progress = None
             sink.close()
+            self.teacher_scorer.close()
         return summary
+
+    def _teacher_lost(self, ex: TeacherUnavailable, cursor: dict) -> ConfigError:
+        """The teacher server was lost mid-step: the step never updated the weights; the data
+        position goes back to its start, a checkpoint is saved there, and one line says how to resume."""
+        self.optimizer.zero_grad(set_to_none=True)
+        self.state.cursor.load_state_dict(cursor)
+        path = self.save()
+        return ConfigError(
+            f"{ex}; the run stopped before step {self.step + 1} (nothing trained on partial scores), checkpoint at step "
+            f"{self.step} saved to {path}; to resume: start the teacher server again and run the same command"
+        )
 
     def _stop_requested(self, preempt: PreemptionGuard) -> bool:
         """A preemption signal seen by any rank stops every rank at the same step boundary."""

@@ -1,0 +1,398 @@
+"""A served teacher: a stock vLLM OpenAI-compatible server scores the student's tokens.
+
+Per sequence (prompt + response ids, without padding) one ``POST /v1/completions`` with the ids
+as the prompt, ``max_tokens=1`` and ``prompt_logprobs=k``. The reply holds, per prompt position
+i, the log-probs of token i given the tokens before it (position 0: null): the top-k and the
+actual token's, normalised over the whole vocabulary of the untempered logits. The response
+positions give a sparse ``TeacherScores`` (``divergences.topk_estimate`` is exact on the top-k
+and unbiased in the tail at any k); where k covers the vocabulary the payload is rebuilt dense
+and everything is exact.
+
+Several sequences go in one request, several requests are in flight (a thread each), each with
+a timeout and retries with backoff. Before training (``connect``): the server answers, serves
+``teacher.model`` (``/v1/models``), tokenizes like the local tokenizer (``/tokenize`` of a probe
+string, hashed), fits the run's lengths (``max_model_len``) and allows ``teacher.k`` (vLLM's
+``--max-logprobs``); ``self_test`` scores one sequence twice and, with the pair's in-process
+teacher, compares the two. Each problem is one line naming the server, the model, what is wrong
+and what is allowed. A server lost mid-run raises ``TeacherUnavailable`` after the retries:
+the trainer stops at the step boundary with a checkpoint (never a step on partial scores).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from opd_exp.runtime.errors import ConfigError
+from opd_exp.training.rollout import Batch
+from opd_exp.training.scoring import InProcessTeacher, Pending, TeacherScorer, TeacherScores, dense_from_topk, teacher_topk, token_logprobs
+
+# Tokenized on both sides before training; the hash of the server's ids is part of the identity.
+PROBE = "Distil 12+35=47 in 3 steps: ÷, é, 中文, 🙂.\n\tThe teacher's tokens, the student's turn!"
+START = "opd-serve-teacher model_pair=<pair> port=<port>"
+
+
+class TeacherUnavailable(RuntimeError):
+    """The server stopped answering (or answered nonsense) during the run, after the retries."""
+
+
+class _Reply(Exception):
+    """One failed attempt: ``retry`` says whether another attempt may help."""
+
+    def __init__(self, what: str, *, retry: bool, timeout: bool = False):
+        super().__init__(what)
+        self.what, self.retry, self.timeout = what, retry, timeout
+
+
+def _error_message(body: bytes) -> str:
+    """The server's own error text (vLLM: ``{"error": {"message": ...}}`` or ``{"message": ...}``)."""
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return body.decode("utf-8", "replace").strip()[:300]
+    if isinstance(data, dict):
+        err = data.get("error", data)
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])[:300]
+    return str(data)[:300]
+
+
+class ServedTeacher(TeacherScorer):
+    """``teacher=served``: sparse ``TeacherScores`` from a vLLM server's ``prompt_logprobs``."""
+
+    def __init__(self, te, k: int, vocab_size: int, *, tokenizer=None):
+        self.te, self.k, self.vocab_size, self.tokenizer = te, int(k), int(vocab_size), tokenizer
+        self.base = te.url.rstrip("/")
+        self.full_distribution = self.k >= self.vocab_size
+        self._pool = ThreadPoolExecutor(max_workers=te.max_in_flight, thread_name_prefix="teacher")
+        # direct connections: a proxy from the environment never sits between trainer and teacher
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        self._server: dict[str, Any] = {}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- talking to the server ------------------------------------------------
+    def _where(self) -> str:
+        return f"teacher.url={self.base} (model {self.te.model!r})"
+
+    def _once(self, method: str, path: str, payload: dict | None) -> Any:
+        data = None if payload is None else json.dumps(payload).encode()
+        req = urllib.request.Request(self.base + path, data=data, method=method, headers={"Content-Type": "application/json"})
+        try:
+            with self._opener.open(req, timeout=self.te.timeout_s) as r:
+                body = r.read()
+        except urllib.error.HTTPError as ex:
+            message = _error_message(ex.read())
+            raise _Reply(f"HTTP {ex.code} from {path}: {message}", retry=ex.code >= 500 or ex.code == 429) from None
+        except TimeoutError:
+            raise _Reply(f"no reply to {path} within teacher.timeout_s={self.te.timeout_s:g} s", retry=True, timeout=True) from None
+        except urllib.error.URLError as ex:
+            reason = ex.reason
+            if isinstance(reason, TimeoutError):
+                raise _Reply(f"no reply to {path} within teacher.timeout_s={self.te.timeout_s:g} s", retry=True, timeout=True) from None
+            raise _Reply(f"cannot reach the server ({reason})", retry=True) from None
+        except (ConnectionError, OSError) as ex:  # reset or closed mid-reply
+            raise _Reply(f"the connection broke ({ex.__class__.__name__}: {ex})", retry=True) from None
+        try:
+            return json.loads(body)
+        except ValueError:
+            raise _Reply(f"{path} answered with something that is not JSON ({body[:80]!r})", retry=False) from None
+
+    def _call(self, method: str, path: str, payload: dict | None = None, *, attempts: int | None = None) -> Any:
+        """One request with ``teacher.retries`` retries (backoff doubling); raises the last ``_Reply``."""
+        attempts = self.te.retries + 1 if attempts is None else attempts
+        for attempt in range(attempts):
+            try:
+                return self._once(method, path, payload)
+            except _Reply as ex:
+                if not ex.retry or attempt == attempts - 1:
+                    ex.what += f" (after {attempt + 1} attempt{'s' if attempt else ''})" if attempt else ""
+                    raise
+                time.sleep(self.te.backoff_s * 2**attempt)
+        raise AssertionError("unreachable")
+
+    def _start_error(self, ex: _Reply) -> ConfigError:
+        """A failure before training: one line with what is allowed."""
+        if ex.timeout:
+            allowed = "a larger teacher.timeout_s, or a server with less load"
+        elif "cannot reach" in ex.what or "connection broke" in ex.what:
+            allowed = f"the URL of a running vLLM OpenAI-compatible server ({START} starts one and prints it)"
+        else:
+            allowed = f"a vLLM OpenAI-compatible server for this pair's teacher ({START})"
+        return ConfigError(f"{self._where()}: {ex.what}; allowed: {allowed}")
+
+    # -- before training ------------------------------------------------------
+    def connect(self, *, max_sequence_tokens: int | None = None) -> ServedTeacher:
+        """Check the server before training (see the module docstring); one ConfigError line."""
+        try:
+            models = self._call("GET", "/v1/models", attempts=1)
+        except _Reply as ex:
+            raise self._start_error(ex) from None
+        entries = models.get("data") if isinstance(models, dict) else None
+        if not isinstance(entries, list):
+            raise ConfigError(
+                f"{self._where()}: /v1/models answered {str(models)[:120]!r}, not a model list; allowed: a vLLM OpenAI-compatible server"
+            )
+        ids = [str(m.get("id")) for m in entries if isinstance(m, dict)]
+        entry = next((m for m in entries if isinstance(m, dict) and m.get("id") == self.te.model), None)
+        if entry is None:
+            raise ConfigError(
+                f"{self._where()}: the server serves {', '.join(map(repr, ids)) or 'no model'}, not {self.te.model!r}; "
+                f"allowed: teacher.model set to the served name (vLLM --served-model-name), or a server for {self.te.model!r}"
+            )
+        max_len = entry.get("max_model_len")
+        self._server = {"model": self.te.model, "root": entry.get("root"), "max_model_len": max_len, "k": self.k}
+        if max_sequence_tokens is not None and isinstance(max_len, int) and max_sequence_tokens + 1 > max_len:
+            raise ConfigError(
+                f"{self._where()}: the server's max_model_len={max_len} is shorter than a rollout's "
+                f"{max_sequence_tokens} tokens + 1 (rollout.max_prompt_tokens + rollout.max_new_tokens); allowed: a server started with "
+                f"--max-model-len >= {max_sequence_tokens + 1}, or shorter rollouts"
+            )
+        self._server["tokenizer_hash"] = self._check_tokenizer()
+        return self
+
+    def _check_tokenizer(self) -> str:
+        """The server tokenizes the probe string as the local tokenizer does; returns the hash."""
+        try:
+            got = self._call("POST", "/tokenize", {"model": self.te.model, "prompt": PROBE, "add_special_tokens": False}, attempts=1)
+        except _Reply as ex:
+            raise self._start_error(ex) from None
+        tokens = got.get("tokens") if isinstance(got, dict) else None
+        if not isinstance(tokens, list):
+            raise ConfigError(f"{self._where()}: /tokenize answered {str(got)[:120]!r}; allowed: a vLLM OpenAI-compatible server")
+        if self.tokenizer is not None:
+            local = list(self.tokenizer(PROBE, add_special_tokens=False)["input_ids"])
+            if tokens != local:
+                raise ConfigError(
+                    f"{self._where()}: the server tokenizes a probe string into {len(tokens)} ids, the pair's tokenizer into "
+                    f"{len(local)} (first difference at id {next((i for i, (a, b) in enumerate(zip(tokens, local)) if a != b), min(len(tokens), len(local)))}): "
+                    "another tokenizer; allowed: a server for this pair's teacher (same tokenizer)"
+                )
+        return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+
+    def identity(self) -> dict[str, Any]:
+        """What this run trained against (fingerprinted; the URL is where, not who)."""
+        return {f"teacher.server.{k}": v for k, v in self._server.items()}
+
+    @torch.no_grad()
+    def self_test(self, reference: InProcessTeacher | None, ids: list[int] | None = None) -> dict[str, float]:
+        """Score one sequence twice (replicas behind one URL must agree) and, with ``reference``
+        (the pair's teacher in this process), compare with it; ConfigError beyond
+        ``teacher.self_test_atol``. Returns the largest differences (nats)."""
+        if ids is None:
+            ids = list(self.tokenizer(PROBE, add_special_tokens=False)["input_ids"]) if self.tokenizer is not None else list(range(1, 17))
+        ids = [int(i) for i in ids]
+        batch = probe_batch(ids)
+        try:
+            first, second = (self._score_now(batch) for _ in range(2))
+        except TeacherUnavailable as ex:
+            raise ConfigError(f"{ex}") from None
+        atol = self.te.self_test_atol
+        out = {"repeat": _max_gap(first, second, batch)}
+        if out["repeat"] > atol:
+            raise ConfigError(
+                f"{self._where()}: the same sequence scored twice differs by {out['repeat']:.3g} nats (> teacher.self_test_atol={atol:g}): "
+                "replicas or a nondeterministic server disagree; allowed: one teacher behind the URL, or a larger teacher.self_test_atol"
+            )
+        if reference is not None:
+            dense = reference.score(batch)
+            want = dense if self.full_distribution else _sparse_from_dense(dense.logits, batch.response_ids, self.k)
+            out["in_process"] = _max_gap(first, want, batch)
+            if out["in_process"] > atol:
+                raise ConfigError(
+                    f"{self._where()}: its log-probs differ from the pair's in-process teacher by {out['in_process']:.3g} nats "
+                    f"(> teacher.self_test_atol={atol:g}): another model, weights or precision; allowed: a server for this pair's teacher "
+                    "(float32 on CPU), a larger teacher.self_test_atol, or teacher.self_test=false"
+                )
+        return out
+
+    # -- scoring --------------------------------------------------------------
+    def score(self, batch: Batch) -> TeacherScores:
+        return self._score_now(batch)
+
+    def submit(self, batch: Batch) -> Pending:
+        if not self.te.overlap:
+            return Pending(lambda: self.score(batch))
+        return _Requests(self, batch, self._send(batch))
+
+    def _score_now(self, batch: Batch) -> TeacherScores:
+        return _Requests(self, batch, self._send(batch)).result()
+
+    def _send(self, batch: Batch) -> list[tuple[range, Future]]:
+        rows = _sequences(batch)
+        step = self.te.rows_per_request
+        chunks = [range(i, min(i + step, len(rows))) for i in range(0, len(rows), step)]
+        return [(c, self._pool.submit(self._request, [rows[i][0] for i in c])) for c in chunks]
+
+    def _request(self, prompts: list[list[int]]) -> list:
+        payload = {
+            "model": self.te.model,
+            "prompt": prompts,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": self.k,
+        }
+        try:
+            reply = self._call("POST", "/v1/completions", payload)
+        except _Reply as ex:
+            raise TeacherUnavailable(self._run_error(ex)) from None
+        choices = reply.get("choices") if isinstance(reply, dict) else None
+        if not isinstance(choices, list) or len(choices) != len(prompts):
+            raise TeacherUnavailable(
+                self._malformed(f"{len(choices) if isinstance(choices, list) else 'no'} choices for {len(prompts)} prompts")
+            )
+        ordered = sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)
+        return [c.get("prompt_logprobs") if isinstance(c, dict) else None for c in ordered]
+
+    def _run_error(self, ex: _Reply) -> str:
+        where = self._where()
+        if "max allowed" in ex.what or "max_logprobs" in ex.what:
+            return (
+                f"{where}: the server refuses prompt_logprobs={self.k} ({ex.what}); allowed: teacher.k at most the server's "
+                f"--max-logprobs, or a server started with --max-logprobs >= {self.k} (opd-serve-teacher sets it from teacher.k)"
+            )
+        if "maximum context length" in ex.what or "max_model_len" in ex.what:
+            return f"{where}: a sequence is longer than the server allows ({ex.what}); allowed: a server with a larger --max-model-len, or shorter rollouts"
+        if ex.timeout:
+            return f"{where}: {ex.what}; allowed: a larger teacher.timeout_s, more teacher.retries, or a server with less load"
+        return f"{where}: {ex.what}; allowed: a running server (teacher.retries={self.te.retries}, teacher.backoff_s={self.te.backoff_s:g})"
+
+    def _malformed(self, what: str) -> str:
+        return (
+            f"{self._where()}: malformed prompt_logprobs reply: {what}; allowed: a vLLM OpenAI-compatible server (prompt_logprobs support)"
+        )
+
+    def _parse_row(self, plp: Any, ids: list[int], start: int, length: int, out: dict[str, torch.Tensor], row: int) -> None:
+        """Row ``row``'s response positions start..start+length-1 of ``plp`` into ``out``."""
+        k, V = self.k, self.vocab_size
+        if not isinstance(plp, list) or len(plp) != len(ids):
+            n = len(plp) if isinstance(plp, list) else type(plp).__name__
+            raise TeacherUnavailable(self._malformed(f"{n} prompt positions for a {len(ids)}-token sequence"))
+        for j in range(length):
+            pos = start + j
+            entry = plp[pos]
+            try:
+                items = [(int(tok), float(v["logprob"]), int(v["rank"])) for tok, v in entry.items()]
+            except (AttributeError, KeyError, TypeError, ValueError):
+                raise TeacherUnavailable(self._malformed(f"position {pos} is {str(entry)[:80]!r}")) from None
+            actual = next((lp for tok, lp, _ in items if tok == ids[pos]), None)
+            top = sorted((it for it in items if it[2] <= k), key=lambda it: (it[2], -it[1]))[:k]
+            if actual is None or len(top) < min(k, V) or any(not 0 <= tok < V or not lp <= 0.0 or math.isnan(lp) for tok, lp, _ in items):
+                raise TeacherUnavailable(
+                    self._malformed(
+                        f"position {pos} holds {len(top)} of the top-{k} (ids within 0..{V - 1}, log-probs <= 0) "
+                        f"{'and' if actual is not None else 'without'} the actual token {ids[pos]}"
+                    )
+                )
+            out["sampled"][row, j] = actual
+            out["ids"][row, j] = torch.tensor([t for t, _, _ in top])
+            out["lp"][row, j] = torch.tensor([lp for _, lp, _ in top])
+
+
+class _Requests(Pending):
+    """A micro-batch's requests in flight; ``result`` waits for all of them and builds the
+    scores, or raises (never partial scores)."""
+
+    def __init__(self, teacher: ServedTeacher, batch: Batch, futures: list[tuple[range, Future]]):
+        self.teacher, self.batch, self.futures = teacher, batch, futures
+
+    def cancel(self) -> None:
+        for _, f in self.futures:
+            f.cancel()
+
+    def result(self) -> TeacherScores:
+        t, batch = self.teacher, self.batch
+        rows = _sequences(batch)
+        N, R = batch.response_mask.shape
+        k = min(t.k, t.vocab_size)
+        # finite filler outside the response mask: a uniform teacher there (never counted)
+        fill = -math.log(t.vocab_size)
+        out = {
+            "ids": torch.arange(k).expand(N, R, k).clone(),
+            "lp": torch.full((N, R, k), fill, dtype=torch.float32),
+            "sampled": torch.full((N, R), fill, dtype=torch.float32),
+        }
+        try:
+            for chunk, future in self.futures:
+                for i, plp in zip(chunk, future.result()):
+                    ids, start, length = rows[i]
+                    t._parse_row(plp, ids, start, length, out, i)
+        except BaseException:
+            self.cancel()
+            raise
+        device = batch.input_ids.device
+        if t.full_distribution:  # every token's log-prob: the dense teacher, exactly
+            return TeacherScores(logits=dense_from_topk(out["ids"], out["lp"], t.vocab_size).to(device))
+        return TeacherScores(topk_ids=out["ids"].to(device), topk_logprobs=out["lp"].to(device), sampled_logprobs=out["sampled"].to(device))
+
+
+def _sequences(batch: Batch) -> list[tuple[list[int], int, int]]:
+    """Per row: (prompt + response ids without padding, where the response starts, its length)."""
+    P = batch.prompt_len
+    ids, attn, rmask = batch.input_ids.cpu(), batch.attention_mask.cpu().bool(), batch.response_mask.cpu().bool()
+    out = []
+    for i in range(ids.shape[0]):
+        prompt = ids[i, :P][attn[i, :P]].tolist()
+        length = int(rmask[i].sum())
+        out.append((prompt + ids[i, P : P + length].tolist(), len(prompt), length))
+    return out
+
+
+def probe_batch(ids: list[int]) -> Batch:
+    """One sequence as a batch: its first half the prompt, the rest the response."""
+    n = len(ids)
+    if n < 2:
+        raise ValueError("probe_batch: at least two tokens")
+    P = max(1, n // 2)
+    t = torch.tensor([ids])
+    return Batch(
+        input_ids=t,
+        attention_mask=torch.ones_like(t),
+        position_ids=torch.arange(n).unsqueeze(0),
+        prompt_len=P,
+        response_mask=torch.ones(1, n - P, dtype=torch.bool),
+        prompt_index=torch.zeros(1, dtype=torch.long),
+    )
+
+
+def _sparse_from_dense(logits: torch.Tensor, ids: torch.Tensor, k: int) -> TeacherScores:
+    lp, top = teacher_topk(logits.float(), k)
+    return TeacherScores(topk_ids=top, topk_logprobs=lp, sampled_logprobs=token_logprobs(logits.float(), ids))
+
+
+def _max_gap(a: TeacherScores, b: TeacherScores, batch: Batch) -> float:
+    """Largest |difference| (nats) of the sampled tokens' log-probs and of the sorted top-k log-probs."""
+    m = batch.response_mask.bool()
+    ids = batch.response_ids
+    gaps = [(a.token_logprobs(ids) - b.token_logprobs(ids)).abs()[m]]
+    if not a.dense and not b.dense:
+        gaps.append((a.topk_logprobs - b.topk_logprobs).abs()[m].flatten())
+    elif a.dense and b.dense:
+        gaps.append((torch.log_softmax(a.logits.float(), -1) - torch.log_softmax(b.logits.float(), -1)).abs()[m].flatten())
+    return float(torch.cat(gaps).max()) if m.any() else 0.0
+
+
+def build_served_teacher(cfg, vocab_size: int, tokenizer, reference: InProcessTeacher | None, warn=print) -> ServedTeacher:
+    """``teacher=served`` from a TrainConfig: connected, checked and self-tested, or one line."""
+    te = cfg.teacher
+    k = te.k if te.k is not None else cfg.estimator.k
+    teacher = ServedTeacher(te, k, vocab_size, tokenizer=tokenizer)
+    try:
+        teacher.connect(max_sequence_tokens=cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens)
+        if te.self_test:
+            gaps = teacher.self_test(reference)
+            shown = ", ".join(f"{name} {gap:.2g}" for name, gap in gaps.items())
+            warn(f"opd-train: served teacher {te.model!r} at {teacher.base}: self-test passed (largest log-prob differences: {shown} nats)")
+    except BaseException:
+        teacher.close()
+        raise
+    return teacher
