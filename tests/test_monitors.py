@@ -68,6 +68,30 @@ def test_overlap_by_hand():
     assert float(same) == 1.0
 
 
+@pytest.mark.parametrize("filt", [dict(top_k=3), dict(top_p=0.6)], ids=["top_k3", "top_p0.6"])
+def test_overlap_under_a_filter_keeping_fewer_than_k_is_defined_on_the_kept_set(filt):
+    """k=8 under a filter that keeps fewer: the entries outside the filter all have zero mass and
+    are in no top-k set, so the values do not depend on how the vocabulary is numbered."""
+    from opd_exp.training.rollout import sampling_logits
+
+    g = torch.Generator().manual_seed(3)
+    V = 40
+    zs, zt = 2 * torch.randn(6, V, generator=g), 2 * torch.randn(6, V, generator=g)
+    zf = sampling_logits(zs, **filt)
+    kept = torch.softmax(zf, -1) > 0
+    assert (kept.sum(-1) < 8).all()
+    got = torch.stack(agreement(zf, zt, k=8))
+    for seed in range(3):
+        perm = torch.randperm(V, generator=torch.Generator().manual_seed(seed))
+        torch.testing.assert_close(torch.stack(agreement(zf[:, perm], zt[:, perm], k=8)), got, rtol=1e-6, atol=1e-7)
+    S, T = torch.softmax(zf, -1), torch.softmax(zt, -1)
+    top_t = T.topk(8, -1).indices
+    torch.testing.assert_close(got[1], (T * kept).sum(-1))  # the teacher's mass on all the student keeps
+    torch.testing.assert_close(got[2], S.gather(-1, top_t).sum(-1))
+    shared = kept.gather(-1, top_t).sum(-1)  # kept entries among the teacher's top-8, of the smaller set
+    torch.testing.assert_close(got[3], shared / kept.sum(-1))
+
+
 @pytest.mark.parametrize(
     "rollout", [{}, {"top_k": 6, "temperature": 0.8}, {"top_p": 0.8}, {"top_k": 6, "top_p": 0.9}], ids=["none", "top_k", "top_p", "both"]
 )

@@ -58,10 +58,15 @@ def step_monitors(
         S, T = s.exp(), t.exp()
         values = {"student/entropy": -(S * s).sum(-1), "teacher/entropy": -(T * t.clamp(min=lowest)).sum(-1)}
         if k:
+            # each top-k set is taken within its distribution's support: under a filter that keeps
+            # fewer than k entries, the rest tie at zero mass and topk would pick among them by index
             top_s, top_t = s.topk(k, dim=-1).indices, t.topk(k, dim=-1).indices
-            values["overlap/teacher_mass"] = T.gather(-1, top_s).sum(-1)
-            values["overlap/student_mass"] = S.gather(-1, top_t).sum(-1)
-            values["overlap/ratio"] = (top_s.unsqueeze(-1) == top_t.unsqueeze(-2)).any(-1).to(dtype).sum(-1) / k
+            in_s, in_t = S.gather(-1, top_s) > 0, T.gather(-1, top_t) > 0
+            values["overlap/teacher_mass"] = torch.where(in_s, T.gather(-1, top_s), 0.0).sum(-1)
+            values["overlap/student_mass"] = torch.where(in_t, S.gather(-1, top_t), 0.0).sum(-1)
+            shared = ((top_s.unsqueeze(-1) == top_t.unsqueeze(-2)) & in_t.unsqueeze(-2)).any(-1) & in_s
+            smaller = torch.minimum(in_s.sum(-1), in_t.sum(-1)).clamp(min=1)
+            values["overlap/ratio"] = shared.to(dtype).sum(-1) / smaller.to(dtype)
         del S, T
         items = list(divergences.items())
         for i, (name, d) in enumerate(items):
@@ -77,7 +82,9 @@ def agreement(student_z: torch.Tensor, teacher_z: torch.Tensor, k: int) -> tuple
     """Per position (every position): the teacher's entropy and the top-k agreement of the two
     distributions: the teacher's mass on the student's top-k (``overlap/teacher_mass``), the
     student's mass on the teacher's top-k (``overlap/student_mass``), and the share of entries
-    the two top-k sets have in common (``overlap/ratio``)."""
+    the two top-k sets have in common (``overlap/ratio``). A top-k set holds only entries of
+    nonzero mass (fewer than k when a top-k / top-p filter keeps fewer); the share is of the
+    smaller set."""
     if k < 1:
         raise ValueError(f"agreement: k={k} is out of range; allowed: k >= 1")
     every = torch.ones(student_z.shape[:-1], dtype=torch.bool, device=student_z.device)
