@@ -1,8 +1,9 @@
 """rollout.engine=vllm (opd_exp/training/rollout_vllm.py) without vLLM: the start-up failure, and the
 engine logic against a fake with vLLM's interface (``LLM.generate`` with per-request
-``SamplingParams``, ``Logprob`` entries, ``collective_rpc``, ``reset_prefix_cache``) that
-samples from a copy of the tiny student. The fake reports processed or raw log-probs like
-vLLM's ``logprobs_mode``; nothing here runs vLLM itself (no GPU, not installed)."""
+``SamplingParams``, ``Logprob`` entries, ``collective_rpc("reload_weights", ...)``,
+``reset_prefix_cache``) that samples from a copy of the tiny student. The fake reports
+processed or raw log-probs like vLLM's ``logprobs_mode``; nothing here runs vLLM itself (the
+real engine: tests/test_vllm_real.py)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class FakeLLM:
         self.model = hf_model.eval()
         self.mode = logprobs_mode or "raw_logprobs"
         self.kwargs, self.loads, self.resets = kwargs, [], 0
+        self.has_reload = True  # False: a vLLM whose workers predate reload_weights
 
     @torch.no_grad()
     def generate(self, requests, params, use_tqdm=False):
@@ -61,13 +63,21 @@ class FakeLLM:
             outs.append(SimpleNamespace(outputs=[SimpleNamespace(token_ids=toks, logprobs=lps)]))
         return outs
 
-    def collective_rpc(self, fn, args=()):
-        def load_weights(weights):
-            self.loads.append([n for n, _ in weights])
-            self.model.load_state_dict(dict(weights), strict=False)
+    def load_weights(self, weights):
+        weights = list(weights)
+        self.loads.append([n for n, _ in weights])
+        self.model.load_state_dict(dict(weights), strict=False)
 
-        worker = SimpleNamespace(model_runner=SimpleNamespace(model=SimpleNamespace(load_weights=load_weights)))
-        return [fn(worker, *args)]
+    def collective_rpc(self, method, args=(), kwargs=None):
+        """The worker's ``reload_weights`` by name (vLLM >= 0.12), or a function run on a worker."""
+        if isinstance(method, str):
+            if method != "reload_weights" or not self.has_reload:
+                raise AttributeError(f"'Worker' object has no attribute {method!r}")
+            kw = dict(kwargs or {})
+            assert kw.pop("is_checkpoint_format") is True
+            return [self.load_weights(kw.pop("weights_iterator"))]
+        worker = SimpleNamespace(model_runner=SimpleNamespace(model=SimpleNamespace(load_weights=self.load_weights)))
+        return [method(worker, *args, **(kwargs or {}))]
 
     def reset_prefix_cache(self):
         self.resets += 1
@@ -231,6 +241,41 @@ def test_sync_weights_pushes_the_student_once_per_version(tiny_pair):
         assert torch.equal(a, b), n
 
 
+def test_sync_weights_falls_back_to_load_weights_on_an_older_vllm(tiny_pair):
+    eng = _engine(tiny_pair, PROCESSED)
+    eng.llm.has_reload = False
+    with torch.no_grad():
+        for p in tiny_pair.student.parameters():
+            p.add_(0.01)
+    assert eng.sync_weights(tiny_pair.student, version=1)
+    assert len(eng.llm.loads) == 1 and eng.llm.resets == 1
+    for (n, a), b in zip(tiny_pair.student.state_dict().items(), eng.llm.model.state_dict().values()):
+        assert torch.equal(a, b), n
+
+
+def test_make_llm_builds_the_engine_in_process_and_keeps_set_num_threads(monkeypatch):
+    """The engine core is built in this process (the sync hands tensors by reference); vLLM's CPU
+    worker replaces torch.set_num_threads process-wide, and make_llm gives it back."""
+    import os
+    import sys
+
+    seen = {}
+    original = torch.set_num_threads
+
+    class LLM:
+        def __init__(self, **kw):
+            seen["mp"] = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+            torch.set_num_threads = lambda n: None  # what vLLM's CPUWorker.init_device does
+
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(LLM=LLM))
+    try:
+        VllmRollout.make_llm(model="m")
+    finally:
+        changed, torch.set_num_threads = torch.set_num_threads is not original, original
+    assert seen["mp"] == "0" and os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "1" and not changed
+
+
 def test_trainer_with_the_fake_engine_syncs_every_step(tiny_pair, add_task, tmp_path, monkeypatch):
     """rollout.engine=vllm through the Trainer: the engine gets the weights of every update, and
     the logged engine/trainer gap is float-level (the engine samples the current student)."""
@@ -238,6 +283,7 @@ def test_trainer_with_the_fake_engine_syncs_every_step(tiny_pair, add_task, tmp_
     from opd_exp.training.trainer import Trainer
 
     monkeypatch.setattr(RV, "require_vllm", lambda: None)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
     engine_model = copy.deepcopy(tiny_pair.student)
     monkeypatch.setattr(VllmRollout, "make_llm", staticmethod(lambda **kw: (FakeLLM(engine_model, logprobs_mode=PROCESSED, **kw), True)))
     monkeypatch.setattr(VllmRollout, "sampling_params_class", staticmethod(lambda: FakeSamplingParams))
@@ -252,7 +298,9 @@ def test_trainer_with_the_fake_engine_syncs_every_step(tiny_pair, add_task, tmp_
     t = Trainer(cfg, tmp_path / "run", pair=tiny_pair, task=add_task)
     out = [t.train_step() for _ in range(3)]
     assert t.engine.version == 2 and len(t.engine.llm.loads) == 3  # before steps 1, 2, 3
-    assert t.engine.llm.kwargs["model"] == "tiny-student"
+    kw = t.engine.llm.kwargs
+    assert kw["model"] == "tiny-student" and kw["dtype"] == "float32"  # the student's dtype, not vLLM's "auto" (half)
+    assert kw["skip_tokenizer_init"] and kw["enforce_eager"]  # token ids in and out; on CPU no compile
     for m in out:
         assert m["rollout/logprob_gap"] < 1e-4 and m["rollout/logprob_gap_max"] < 1e-3
     # negative control: an engine left on stale weights shows up in the gap

