@@ -9,6 +9,7 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 from opd_exp.config.folders import CONF_DIR
 from opd_exp.config.world import ModelPairConfig, TaskConfig
@@ -80,7 +81,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"  params={i.get('params')} greedy accuracy={i.get('accuracy'):.3f} "
             f"format_rate={i.get('format_rate'):.3f} (n={i.get('n_check')}) sft_seconds={i.get('sft_seconds')}"
         )
+        if line := _against_shipped(getattr(prepared, role)):
+            print(f"  {line}")
     return 0
+
+
+def _against_shipped(folder: Path) -> str | None:
+    """How a prepared entry compares with the one the package ships for the same recipe: the
+    accuracies measured when each was built, and whether the weights are the same bits (a rebuild
+    on another CPU differs in float rounding, and the accuracy with it)."""
+    shipped = cache.shipped_entry(Path(folder).name)
+    if shipped is None:
+        return None
+    if Path(folder).resolve() == shipped.resolve():
+        return "(the shipped entry)"
+    mine, theirs = cache.read_manifest(folder), cache.read_manifest(shipped)
+    if mine.get("files") == theirs.get("files"):
+        return "shipped: the same files, bit for bit"
+    from safetensors.torch import load_file
+
+    a, b = load_file(Path(folder) / "model.safetensors"), load_file(shipped / "model.safetensors")
+    gap = max(float((a[k].double() - b[k].double()).abs().max()) for k in a if k in b)
+    acc = theirs.get("info", {}).get("accuracy")
+    acc_text = "n/a" if acc is None else f"{acc:.3f}"
+    return f"shipped: greedy accuracy={acc_text}; weights differ from the shipped ones by up to {gap:.2e} (a rebuild follows this machine's float rounding)"
 
 
 def _prepare_smollm2(pair_cfg: ModelPairConfig, *, force: bool, started: float) -> int:

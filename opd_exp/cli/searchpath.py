@@ -21,5 +21,9 @@ class OpdSweepsSearchPath(SearchPathPlugin):
 
 
 def register() -> None:
-    """Idempotent: Hydra keeps one entry per plugin class."""
+    """Idempotent: Hydra keeps one entry per plugin class. The dry launcher is registered here
+    too: Hydra's own scan of ``hydra_plugins`` does not see an editable install's packages."""
+    from hydra_plugins.opd_exp_dry.dry_launcher import DryLauncher
+
     Plugins.instance().register(OpdSweepsSearchPath)
+    Plugins.instance().register(DryLauncher)

@@ -140,7 +140,7 @@ FAILED_JOBS: list[tuple[int, str, str, int]] = []
 def _job_failed(ex: BaseException, code: int, hc) -> float:
     """One line for a job that cannot run. A single run exits with ``code``; in a multirun the
     other jobs still run (the failure is recorded and ``main`` exits non-zero at the end)."""
-    line = _one_line(ex)
+    line = one_line(ex)
     print(f"opd-train: error: {line}", file=sys.stderr, flush=True)
     if hc.mode != RunMode.MULTIRUN:
         sys.exit(code)
@@ -297,7 +297,7 @@ def _validated(cfg: DictConfig, hc) -> TrainConfig:
         raise ConfigError(f"{key}: has no value (removed with `~{key}`?); allowed: {allowed}") from None
 
 
-def _one_line(ex: BaseException) -> str:
+def one_line(ex: BaseException) -> str:
     """Hydra/OmegaConf errors span lines (search paths, options, object types): one line."""
     import re
 
@@ -354,7 +354,7 @@ def _yaml_line(ex: BaseException) -> str:
 
 
 def _fail(ex: BaseException) -> None:
-    print(f"opd-train: error: {_one_line(ex)}", file=sys.stderr)
+    print(f"opd-train: error: {one_line(ex)}", file=sys.stderr)
     sys.exit(EXIT_CONFIG)
 
 

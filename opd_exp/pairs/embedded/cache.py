@@ -6,6 +6,12 @@ place in one step, so a folder with that name is either complete or was damaged 
 Loading re-checks the manifest; an entry that fails (missing marker, missing or changed
 file) is moved away and rebuilt, never loaded. A lock file serialises builders, so parallel
 sweep jobs build an entry once.
+
+Shipped entries: the package carries the prepared embedded worlds (``shipped/``, one folder per
+entry under the same name, listed with their manifests' SHA-256 in ``shipped/shipped.json``). An
+entry missing from the cache is copied from there, checked file by file, instead of being built:
+a fresh machine trains at once, on the same pair as every other machine. ``shipped=False``
+(``opd-prepare --force``) builds from scratch.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from opd_exp.runtime import files
 log = logging.getLogger("opd_exp.pairs")
 
 MANIFEST = files.CACHE_MANIFEST  # written last: its presence marks a complete entry
+SHIPPED_ROOT = Path(__file__).resolve().parent / "shipped"
+SHIPPED_INDEX = "shipped.json"
 
 
 def cache_root() -> Path:
@@ -66,13 +74,40 @@ def check_entry(path: Path) -> str | None:
     return files.check_manifest(Path(path), MANIFEST)
 
 
+def shipped_entry(name: str) -> Path | None:
+    """The package's copy of entry ``name`` when it ships one that is listed in the index with
+    its manifest's SHA-256 and intact file by file; None when it ships none. A listed entry that
+    fails its check is an install error, never a silent rebuild."""
+    try:
+        index = json.loads((SHIPPED_ROOT / SHIPPED_INDEX).read_text())["entries"]
+    except (OSError, ValueError, KeyError):
+        return None
+    if name not in index:
+        return None
+    folder = SHIPPED_ROOT / name
+    reason = check_entry(folder)
+    if reason is None and files.sha256_file(folder / MANIFEST) != index[name]:
+        reason = f"its {MANIFEST} is not the one {SHIPPED_INDEX} lists"
+    if reason is not None:
+        from opd_exp.runtime.errors import ConfigError
+
+        raise ConfigError(
+            f"model_pair: the shipped entry {folder} is damaged ({reason}); allowed: reinstall opd-exp, "
+            "or opd-prepare --force to build the pair from scratch"
+        )
+    return folder
+
+
 def get_or_build(
     kind: str,
     key: Mapping[str, Any],
     build: Callable[[Path], Mapping[str, Any] | None],
     root: Path | None = None,
+    *,
+    shipped: bool = True,
 ) -> Path:
-    """The folder of the entry for ``key``, building it with ``build(tmp_folder)`` when needed.
+    """The folder of the entry for ``key``: from the cache, else copied from the package's shipped
+    entries (``shipped``), else built with ``build(tmp_folder)``.
 
     ``build`` fills the folder it is given and may return a dict stored in the manifest as
     ``info`` (e.g. measured accuracy).
@@ -93,6 +128,11 @@ def get_or_build(
         if reason != "missing":
             log.warning("cache entry %s is broken (%s): rebuilding it", final, reason)
             files.discard(final)
+        source = shipped_entry(final.name) if shipped else None
+        if source is not None:  # the package's prepared copy, manifest and all
+            with files.atomic_folder(final) as tmp:
+                shutil.copytree(source, tmp, dirs_exist_ok=True)
+            return final
         with files.atomic_folder(final) as tmp:
             info = build(tmp) or {}
             extra = {"kind": kind, "key": key, "hash": key_hash(key), "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "info": dict(info)}

@@ -223,15 +223,18 @@ def prepare_embedded(pair_cfg: Any = None, task_cfg: Any = None, *, progress: bo
         for kind, key in keys.items():
             files.discard(cache.entry_path(f"embedded-{kind}", key))
     with torch_threads(pair.threads):
-        tok_dir = cache.get_or_build("embedded-tokenizer", keys["tokenizer"], _build_tokenizer)
+        # --force builds from scratch; otherwise a recipe the package ships is copied, not built
+        tok_dir = cache.get_or_build("embedded-tokenizer", keys["tokenizer"], _build_tokenizer, shipped=not force)
         folders = {}
         for role in ("teacher", "student"):
-            if cache.check_entry(cache.entry_path(f"embedded-{role}", keys[role])) is not None:
+            entry = cache.entry_path(f"embedded-{role}", keys[role])
+            if cache.check_entry(entry) is not None and (force or cache.shipped_entry(entry.name) is None):
                 announce(build_announcement(role, getattr(pair, role), keys[role]))
             folders[role] = cache.get_or_build(
                 f"embedded-{role}",
                 keys[role],
                 lambda tmp, role=role: _build_model(tmp, role, pair, task, tok_dir, progress),
+                shipped=not force,
             )
     info = {
         role: {**cache.read_manifest(folders[role]).get("info", {}), "hash": cache.read_manifest(folders[role]).get("hash")}
