@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn, JobStatus
@@ -51,4 +52,18 @@ class DryLauncher(Launcher):
             ret = JobReturn(overrides=list(overrides), status=JobStatus.COMPLETED)
             ret.return_value = None
             results.append(ret)
+        _remove_sweep_record(Path(str(self.config.hydra.sweep.dir)))
         return results
+
+
+def _remove_sweep_record(folder: Path) -> None:
+    """Hydra's sweeper writes ``multirun.yaml`` before any launcher runs: a dry run leaves no folder."""
+    (folder / "multirun.yaml").unlink(missing_ok=True)
+    cwd = Path.cwd().resolve()
+    folder = folder.resolve()
+    # the sweep folder, and the empty folders above it up to (not including) the working folder
+    for parent in [folder, *(p for p in folder.parents if p != cwd and p.is_relative_to(cwd))]:
+        try:
+            parent.rmdir()  # only while empty: never a folder that holds anything else
+        except OSError:
+            break
