@@ -236,7 +236,8 @@ class Objective:
             known = dict.fromkeys(self.exact_is_trained, trained_exact) if trained_exact is not None else {}
             if self.sparse:  # only the student's side exists over the whole vocabulary
                 exact_names = ()
-                mon = {"student/entropy": torch.zeros(m.shape, dtype=torch.float32, device=m.device).masked_scatter_(m, entropy(zs[m]))}
+                ent = entropy(zs[m])
+                mon = {"student/entropy": torch.zeros(m.shape, dtype=ent.dtype, device=m.device).masked_scatter_(m, ent)}
             else:
                 mon = step_monitors(
                     zs,

@@ -62,9 +62,10 @@ def entropy(logits: torch.Tensor, chunk_rows: int = 4096) -> torch.Tensor:
     """Exact entropy per position of softmax(logits), computed a chunk of rows at a time."""
     lead, V = logits.shape[:-1], logits.shape[-1]
     flat = logits.detach().reshape(-1, V)
-    out = torch.empty(flat.shape[0], dtype=torch.float32, device=flat.device)
+    dtype = torch.float64 if flat.dtype == torch.float64 else torch.float32  # fp32 at least; fp64 stays fp64
+    out = torch.empty(flat.shape[0], dtype=dtype, device=flat.device)
     for start in range(0, flat.shape[0], chunk_rows):
-        lp = torch.log_softmax(flat[start : start + chunk_rows].float(), dim=-1)
+        lp = torch.log_softmax(flat[start : start + chunk_rows].to(dtype), dim=-1)
         out[start : start + chunk_rows] = -(lp.exp() * lp).sum(-1)
     return out.reshape(lead)
 

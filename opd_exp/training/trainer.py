@@ -130,13 +130,14 @@ class Trainer:
                 self.teacher, self.vocab_size, temperature=cfg.divergence.temperature, device=teacher_device, autocast=self.autocast
             )
         eval_problems = evals[: tc.eval_size] if tc.eval_size else evals
+        eval_divergences = self._eval_divergences()
         self.evaluator = Evaluator(
             task,
             self.tokenizer,
             eval_problems,
             batch_size=tc.eval_batch_size,
             teacher=self.teacher_scorer,
-            divergences=self._eval_divergences() if self.teacher_scorer.full_distribution else {},
+            divergences=eval_divergences if self.teacher_scorer.full_distribution else {},  # need the whole teacher
             student_logits=lambda b: self._student_logits(self.student, b),
             chunk_size=cfg.estimator.chunk_size,
             on_prompts=self._count_truncated,
