@@ -54,6 +54,7 @@ tested against a fake with vLLM's interface (tests/test_vllm.py).
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -116,6 +117,15 @@ def in_process_engine() -> Iterator[None]:
             os.environ.pop(key, None)
         else:
             os.environ[key] = before
+
+
+class _QuietRotaryReload(logging.Filter):
+    """vLLM's in-place reload warns "RotaryEmbedding: Failed to load weights" on every sync: the
+    rotary table is a buffer no checkpoint holds, and it is put back as it was. Only that line
+    is dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
 
 
 def _load_weights_on_worker(worker, weights):
@@ -230,12 +240,17 @@ class VllmRollout(RolloutEngine):
             return False
         base = student.get_base_model() if hasattr(student, "get_base_model") else student
         weights = [(name, t.detach()) for name, t in base.state_dict().items()]
+        reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+        quiet = _QuietRotaryReload()
+        reload_log.addFilter(quiet)
         try:  # in place, re-running the kernels' weight processing (CPU repacking)
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
         except (AttributeError, TypeError) as ex:
             if "reload_weights" not in str(ex) and "weights_iterator" not in str(ex):
                 raise
             self.llm.collective_rpc(_load_weights_on_worker, args=(weights,))
+        finally:
+            reload_log.removeFilter(quiet)
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self.version = version
