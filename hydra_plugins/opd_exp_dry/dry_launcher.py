@@ -34,11 +34,13 @@ class DryLauncher(Launcher):
         self.hydra_context, self.config = hydra_context, config
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from opd_exp.cli.train import FAILED_JOBS, one_line, to_train_config
+        from opd_exp.cli.jobs import FAILED_JOBS, JOBS_STARTED
+        from opd_exp.cli.train import one_line, to_train_config
         from opd_exp.runtime.guards import EXIT_CONFIG
 
         results = []
         for num, overrides in enumerate(job_overrides, start=initial_job_idx):
+            JOBS_STARTED.append(Path("dry run"))
             try:
                 cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
                 with open_dict(cfg):

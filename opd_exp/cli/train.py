@@ -23,6 +23,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from opd_exp.cli.jobs import FAILED_JOBS, JOBS_STARTED, failed_summary
 from opd_exp.cli.searchpath import register as register_sweeps
 from opd_exp.config import TrainConfig, folders, register_configs
 from opd_exp.runtime.errors import ConfigError, first_line
@@ -132,11 +133,6 @@ def _close(sinks) -> None:
         sink.close()
 
 
-# This process's jobs, and those of a multirun that failed: (job number, job folder, message, exit code).
-JOBS_STARTED: list[Path] = []
-FAILED_JOBS: list[tuple[int, str, str, int]] = []
-
-
 def _job_failed(ex: BaseException, code: int, hc) -> float:
     """One line for a job that cannot run. A single run exits with ``code``; in a multirun the
     other jobs still run (the failure is recorded and ``main`` exits non-zero at the end)."""
@@ -148,12 +144,6 @@ def _job_failed(ex: BaseException, code: int, hc) -> float:
     if "BasicLauncher" not in str(hc.launcher.get("_target_", "")):
         raise ex  # jobs in other processes: Hydra collects the failure (after every job has run)
     return float("nan")
-
-
-def _failed_summary() -> str:
-    n = len(FAILED_JOBS)
-    jobs = "; ".join(f"#{num} ({folder}): {line}" for num, folder, line, _ in FAILED_JOBS)
-    return f"{n} of {max(len(JOBS_STARTED), n)} jobs of the multirun failed: {jobs} -- fix those and run the same multirun again (finished jobs are skipped)"
 
 
 def build_inputs(cfg: TrainConfig) -> dict:
@@ -425,7 +415,7 @@ def main() -> None:
         if not user_wants_full:
             os.environ.pop("HYDRA_FULL_ERROR", None)
     if FAILED_JOBS:
-        print(f"opd-train: error: {_failed_summary()}", file=sys.stderr, flush=True)
+        print(f"opd-train: error: {failed_summary()}", file=sys.stderr, flush=True)
         codes = {c for *_, c in FAILED_JOBS}
         sys.exit(EXIT_CONFIG if EXIT_CONFIG in codes else max(codes))
 
