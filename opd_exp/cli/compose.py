@@ -1,0 +1,123 @@
+"""From Hydra's composed config to what the loop needs: a validated ``TrainConfig`` (schema, ranges,
+combinations, no unknown keys, chosen options that exist) and the task and model pair it names."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+from omegaconf import DictConfig, OmegaConf
+
+from opd_exp.config import TrainConfig
+from opd_exp.runtime.errors import ConfigError, first_line
+
+
+def to_train_config(cfg: DictConfig) -> TrainConfig:
+    """The composed DictConfig as a validated ``TrainConfig`` (ranges + combinations)."""
+    typed = OmegaConf.to_object(cfg)
+    if not isinstance(typed, TrainConfig):
+        raise ConfigError(f"config root is {type(typed).__name__}; allowed: a TrainConfig (conf/train.yaml)")
+    _reject_unknown_keys(typed)
+    return typed
+
+
+def _reject_unknown_keys(obj, prefix: str = "") -> None:
+    """`+key=value` slips past the schema (OmegaConf sets it as an attribute): refuse it."""
+    import dataclasses
+
+    if not dataclasses.is_dataclass(obj):
+        return
+    names = [f.name for f in dataclasses.fields(obj)]
+    for key in vars(obj):
+        if key not in names:
+            raise ConfigError(f"{prefix}{key}: unknown key; allowed: {', '.join(names)}")
+    for name in names:
+        _reject_unknown_keys(getattr(obj, name), f"{prefix}{name}.")
+
+
+def _config_repo(hc):
+    """Hydra's view of the config folders this job was composed from (``conf/``, ``sweeps/`` and
+    the user's ``hydra.searchpath``), or None where a launcher runs jobs without Hydra's loader."""
+    try:
+        from hydra._internal.config_repository import ConfigRepository
+        from hydra.core.global_hydra import GlobalHydra
+
+        search = copy.deepcopy(GlobalHydra.instance().config_loader().get_search_path())
+        entries = search.get_path()
+        schema = entries.pop(-1) if entries and entries[-1].provider == "schema" else None
+        for path in hc.searchpath or ():  # hydra.searchpath: the user's config folders
+            search.append(provider="hydra.searchpath", path=path)
+        if schema is not None:
+            search.append(provider=schema.provider, path=schema.path)
+        return ConfigRepository(search)
+    except Exception:  # pragma: no cover
+        return None
+
+
+def _group_options(hc, group: str) -> list[str]:
+    from hydra.core.object_type import ObjectType
+
+    repo = _config_repo(hc)
+    return sorted(repo.get_group_options(group, ObjectType.CONFIG)) if repo is not None else []
+
+
+def check_choices(hc) -> None:
+    """An explicitly chosen option of an ``optional`` group (``experiment=...``, ``sweep=...``) that
+    does not exist is skipped by Hydra without a word: refuse it, listing the valid ones."""
+    for group, option in hc.runtime.choices.items():
+        if option is None or group.startswith("hydra/") or not isinstance(option, str):
+            continue
+        options = _group_options(hc, group)
+        if options and option not in options:
+            raise ConfigError(f"{group}={option}: no such option; allowed: {', '.join(options)}")
+
+
+def validated(cfg: DictConfig, hc) -> TrainConfig:
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        return to_train_config(cfg)
+    except MissingMandatoryValue as ex:  # a required group removed (`~model_pair`) or never chosen
+        key = str(getattr(ex, "full_key", "") or "") or first_line(ex).rsplit(":", 1)[-1].strip()
+        options = _group_options(hc, key)
+        allowed = f"{key}=<option> with one of: {', '.join(options)}" if options else f"a value for {key}"
+        raise ConfigError(f"{key}: has no value (removed with `~{key}`?); allowed: {allowed}") from None
+
+
+def build_inputs(cfg: TrainConfig) -> dict:
+    """The task and the model pair a config names (the data is read before any model loads)."""
+    from opd_exp.pairs import load_pair
+    from opd_exp.runtime import distributed
+    from opd_exp.tasks import build_task
+
+    check_device(cfg.trainer.device, int(os.environ.get("LOCAL_RANK", "0")))
+    task = build_task(cfg.task)
+    # A missing or damaged dataset fails here, before the models load (both splits: the
+    # trainer reads the eval split too).
+    for split, problems in (("training", task.train_problems()), ("eval", task.eval_problems())):
+        if not problems:
+            raise ConfigError(
+                f"task: {cfg.task.name!r} has no {split} problems (empty dataset or split); allowed: a task with at least one"
+            )
+    device = distributed.device_for(cfg.trainer.device, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+    return {"task": task, "pair": load_pair(cfg.model_pair, cfg.task, device)}
+
+
+def check_device(device: str, local_rank: int = 0) -> None:
+    """A CUDA device asked for on a machine without one fails here, before the data and both
+    models load (the shipped GPU experiments set ``trainer.device: cuda``)."""
+    if not (device == "cuda" or device.startswith("cuda:")):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ConfigError(
+            f"trainer.device={device!r}: no CUDA GPU is visible to torch (torch.cuda.is_available() is False); "
+            f"allowed: trainer.device=cpu or auto on this machine, or a machine with a GPU"
+        )
+    index = int(device.split(":", 1)[1]) if ":" in device else local_rank
+    if index >= torch.cuda.device_count():
+        raise ConfigError(
+            f"trainer.device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+            f"allowed: cuda:0 .. cuda:{torch.cuda.device_count() - 1}, cuda, auto or cpu"
+        )
