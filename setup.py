@@ -19,5 +19,6 @@ PLUGINS = ["hydra_plugins.opd_exp_dry"]  # Hydra looks for plugins only under hy
 setup(
     packages=PACKAGES + PLUGINS + list(SHIPPED),
     package_dir=SHIPPED,
-    package_data=dict.fromkeys(PACKAGES + list(SHIPPED), DATA),
+    # the prepared worlds: one folder per cache entry (names with '-', so not packages themselves)
+    package_data={**dict.fromkeys(PACKAGES + list(SHIPPED), DATA), "opd_exp.pairs.embedded.shipped": ["*.json", "*/*"]},
 )
