@@ -137,6 +137,18 @@ def test_the_engine_samples_the_current_student_every_step(built, straight):
     assert built[0].engine.version == STEPS - 1  # pushed before every step (versions 0..19)
 
 
+def test_processed_logprobs_follow_temperature_and_top_k(engine, tmp_path):
+    """With temperature 0.7 and top-k 20 the engine's processed log-probs are those of the
+    distribution it sampled: equal to the trainer's ``sampling_logits`` (and no sampled token
+    outside the trainer's filter)."""
+    t = _trainer(engine, tmp_path / "run", "rollout.temperature=0.7", "rollout.top_k=20")
+    rows = _steps(t, 2)
+    print("rollout/logprob_gap at T=0.7, top-k 20:", [f"{r['rollout/logprob_gap']:.2e}" for r in rows])
+    for r in rows:
+        assert 0.0 < r["rollout/logprob_gap"] <= GAP_BOUND, r["rollout/logprob_gap"]
+        assert r.get("rollout/outside_filter_tokens", 0.0) == 0.0
+
+
 def test_a_skipped_sync_shows_in_the_gap(engine, tmp_path, monkeypatch):
     """After a large update the synced engine still matches the student; an engine left on
     the old weights (the sync a no-op) is far outside the bound."""
