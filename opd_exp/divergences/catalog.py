@@ -94,6 +94,16 @@ class Divergence(ABC):
         """D per row of a [n, V] chunk of log-probs; may overwrite s and t (full path only)."""
         return self.pointwise(s, t).sum(-1)
 
+    def rows_value_close(self, S: torch.Tensor, delta: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        """D per row of a chunk from S, delta = log T/S and u = T/S - 1 = expm1(delta), formed from
+        the logits' difference (``full.log_ratio``): the full path's value wherever they are finite;
+        overwrites none of them. A divergence that is sum_v S_v f(T_v/S_v) writes f with f(1) = 0
+        and f'(1) = 0 (adding a multiple of u, which sums to 0 under S), every term second order in
+        delta, so fp32 values near convergence keep their digits. This default goes through
+        ``rows_value`` (t = log S + delta shares the student's normaliser)."""
+        s = S.log()
+        return self.rows_value(s, s + delta)
+
     def rows_grad(self, s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(G, S) for a chunk: G = d phi / d s per entry and S = exp(s); may overwrite s and t."""
         return self.pointwise_grad(s, t), s.exp()
@@ -134,6 +144,10 @@ class ReverseKL(Divergence):
     def pointwise_over_prob(self, s, t):
         return s - t
 
+    def rows_value_close(self, S, delta, u):
+        # f(r) = r - 1 - log r
+        return torch.linalg.vecdot(S, u - delta)
+
 
 class ForwardKL(Divergence):
     """KL(T || S) = sum_v T_v (t_v - s_v).
@@ -167,6 +181,10 @@ class ForwardKL(Divergence):
 
     def pointwise_over_prob(self, s, t):
         return _zero_where(t == _NEG_INF, (t - s).exp() * (t - s))
+
+    def rows_value_close(self, S, delta, u):
+        # f(r) = r log r - r + 1
+        return torch.linalg.vecdot(S, (u + 1.0).mul_(delta).sub_(u))
 
     def clipped(self, s, t):
         if self.clip is None:
@@ -232,6 +250,15 @@ class JensenShannon(Divergence):
         out = self.beta * (T * t).sum(-1) + (1.0 - self.beta) * (S * s).sum(-1)
         M = T.mul_(self.beta).add_(S, alpha=1.0 - self.beta).clamp_(min=torch.finfo(s.dtype).tiny)
         return out - torch.xlogy(M, M).sum(-1)
+
+    def rows_value_close(self, S, delta, u):
+        if self._endpoint is not None:
+            return self._endpoint.rows_value_close(S, delta, u)
+        # f(r) = beta r log r - m log m, m = M/S = 1 + beta (r - 1); f'(1) = 0 already
+        m = u * self.beta
+        log_m = torch.log1p(m)
+        f = (u + 1.0).mul_(delta).mul_(self.beta).sub_(m.add_(1.0).mul_(log_m))
+        return torch.linalg.vecdot(S, f)
 
     def rows_grad(self, s, t):
         if self._endpoint is not None:
@@ -310,6 +337,11 @@ class SkewForwardKL(Divergence):
     def pointwise_over_prob(self, s, t):
         return _zero_where(t == _NEG_INF, (t - s).exp() * (t - self._log_m(s, t)))
 
+    def rows_value_close(self, S, delta, u):
+        # f(r) = r (log r - log m) - (1-alpha)(r - 1), m = M/S = 1 + alpha (r - 1)
+        f = (u + 1.0).mul_(delta - torch.log1p(u * self.alpha)).sub_(u, alpha=1.0 - self.alpha)
+        return torch.linalg.vecdot(S, f)
+
 
 class SkewReverseKL(Divergence):
     """Skew reverse KL (DistiLLM): KL(S || alpha*S + (1-alpha)*T)."""
@@ -341,6 +373,11 @@ class SkewReverseKL(Divergence):
     def pointwise_over_prob(self, s, t):
         return s - self._log_m(s, t)
 
+    def rows_value_close(self, S, delta, u):
+        # f(r) = (1-alpha)(r - 1) - log m', m' = M'/S = 1 + (1-alpha)(r - 1)
+        w = u * (1.0 - self.alpha)
+        return torch.linalg.vecdot(S, w - torch.log1p(w))
+
 
 class TotalVariation(Divergence):
     """Total variation 0.5 * sum_v |S_v - T_v|."""
@@ -358,6 +395,9 @@ class TotalVariation(Divergence):
 
     def pointwise_over_prob(self, s, t):
         return 0.5 * (1.0 - (t - s).exp()).abs()
+
+    def rows_value_close(self, S, delta, u):
+        return 0.5 * torch.linalg.vecdot(S, u.abs())
 
     def token_value(self, s, t):
         # sum_v (S-T)_+ = TVD too (sum_v (S-T) = 0); one-sided, so bounded in [0, 1].

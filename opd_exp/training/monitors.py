@@ -6,7 +6,7 @@ Each needs log-softmax of both logit tensors over the whole vocabulary; computed
 would take that log-softmax a dozen times per step, which at small models costs more than the
 training pass itself. Here each chunk of response positions is normalised once and every
 monitor is read off the same buffers, with the same formulas as the standalone definitions
-(``Divergence.rows_value``, ``scoring.entropy``), so the values are those of
+(``full.chunk_value``, ``scoring.entropy``), so the values are those of
 ``d.full(student_z, teacher_z)`` and friends. Only the masked positions are computed: the
 other ones count nowhere.
 """
@@ -18,6 +18,7 @@ from collections.abc import Mapping
 import torch
 
 from opd_exp.divergences.catalog import Divergence
+from opd_exp.divergences.full import chunk_value, log_ratio
 
 # Order of the values ``agreement`` returns (per position).
 AGREEMENT = ("teacher/entropy", "overlap/teacher_mass", "overlap/student_mass", "overlap/ratio")
@@ -53,9 +54,12 @@ def step_monitors(
     lowest = torch.finfo(dtype).min
     for start in range(0, rows.numel(), chunk):
         idx = rows[start : start + chunk]
-        s = torch.log_softmax(zs.index_select(0, idx).to(dtype), -1)
-        t = torch.log_softmax(zt.index_select(0, idx).to(dtype), -1)
+        zs_c, zt_c = zs.index_select(0, idx).to(dtype), zt.index_select(0, idx).to(dtype)
+        s, t = torch.log_softmax(zs_c, -1), torch.log_softmax(zt_c, -1)
         S, T = s.exp(), t.exp()
+        # log T/S from the logits' difference: the divergences' values near convergence
+        ratio = log_ratio(S, zs_c, zt_c) if divergences else None
+        del zs_c, zt_c
         values = {"student/entropy": -(S * s).sum(-1), "teacher/entropy": -(T * t.clamp(min=lowest)).sum(-1)}
         if k:
             # each top-k set is taken within its distribution's support: under a filter that keeps
@@ -67,12 +71,9 @@ def step_monitors(
             shared = ((top_s.unsqueeze(-1) == top_t.unsqueeze(-2)) & in_t.unsqueeze(-2)).any(-1) & in_s
             smaller = torch.minimum(in_s.sum(-1), in_t.sum(-1)).clamp(min=1)
             values["overlap/ratio"] = shared.to(dtype).sum(-1) / smaller.to(dtype)
-        del S, T
-        items = list(divergences.items())
-        for i, (name, d) in enumerate(items):
-            # rows_value may overwrite its buffers: every divergence but the last gets copies
-            last = i == len(items) - 1
-            values[name] = d.rows_value(s, t) if last else d.rows_value(s.clone(), t.clone())
+        del T
+        for name, d in divergences.items():
+            values[name] = chunk_value(d, S, ratio, lambda far, s=s, t=t: (s[far], t[far]))
         for name, v in values.items():
             out[name][idx] = v.to(dtype)
     return {n: v.reshape(lead) for n, v in out.items()}
