@@ -34,8 +34,9 @@ class DryLauncher(Launcher):
         self.hydra_context, self.config = hydra_context, config
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
+        from opd_exp.cli.compose import to_train_config
+        from opd_exp.cli.errors import one_line
         from opd_exp.cli.jobs import FAILED_JOBS, JOBS_STARTED
-        from opd_exp.cli.train import one_line, to_train_config
         from opd_exp.runtime.guards import EXIT_CONFIG
 
         results = []
