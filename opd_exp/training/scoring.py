@@ -4,6 +4,10 @@
 batch whose responses start at column P are those at columns P-1 .. P+R-2. Both models see
 the same ids, attention mask and position ids; logits are sliced to the tokenizer's
 vocabulary (embedding tables may be padded: 151936 vs 152064 rows for Qwen2.5).
+
+A teacher scorer returns ``TeacherScores``: dense logits (``InProcessTeacher``) or a sparse
+top-k payload (a served teacher, ``training/teacher_served.py``); ``training/teachers.py``
+picks one from the ``teacher`` config group.
 """
 
 from __future__ import annotations
@@ -202,32 +206,3 @@ class InProcessTeacher(TeacherScorer):
             if where == self.device:
                 return teacher_logits(self.model, batch, self.vocab_size, temperature=self.temperature)
             return teacher_logits(self.model, batch.to(self.device), self.vocab_size, temperature=self.temperature).to(where)
-
-
-def sparse_teacher_k(cfg, vocab_size: int) -> int | None:
-    """The top-k of a served teacher that does not cover the vocabulary (None: the teacher's
-    whole distribution is there: in-process, or k >= V)."""
-    te = cfg.teacher
-    if not te.served:
-        return None
-    k = te.k if te.k is not None else cfg.estimator.k
-    return None if k >= vocab_size else k
-
-
-def build_teacher_scorer(cfg, model, tokenizer, vocab_size: int, *, device, autocast=contextlib.nullcontext, warn=print) -> TeacherScorer:
-    """``teacher``: the pair's teacher in this process, or a served one (connected, checked and
-    self-tested against the in-process teacher before training)."""
-    local = None
-    if model is not None:
-        local = InProcessTeacher(model, vocab_size, temperature=cfg.divergence.temperature, device=device, autocast=autocast)
-    if not cfg.teacher.served:
-        return local
-    from opd_exp.training.teacher_served import build_served_teacher
-
-    k = sparse_teacher_k(cfg, vocab_size)
-    if k is not None:
-        warn(
-            f"opd-train: teacher=served sends its top-{k} of {vocab_size} tokens: exact/*, teacher/entropy, overlap/* and the eval "
-            "divergences (eval/jsd, eval/kl_*, eval/<divergence>) need its whole distribution and are not logged (docs/engines.md)"
-        )
-    return build_served_teacher(cfg, vocab_size, tokenizer, local, warn=warn)

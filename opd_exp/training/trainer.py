@@ -7,7 +7,8 @@ global response-token count) -> clip, guard, optimizer step -> metrics to the si
 checkpoint.
 
 Engines are picked once, in ``__init__``, from config: a ``RolloutEngine`` for the student (HF
-``generate`` or vLLM) and one for the teacher, a ``TeacherScorer`` for the teacher's logits.
+``generate`` or vLLM) and one for the teacher, a ``TeacherScorer`` for the teacher's scores
+(in-process logits, or a served teacher's top-k log-probs: ``teacher`` config group).
 The loop state is one ``TrainState`` saved in every checkpoint; a run started again in a
 folder with a checkpoint resumes from the newest one that loads. Each step re-seeds torch from
 (seed, step), so a resumed run samples the same tokens and ends bit-identical.
@@ -49,9 +50,10 @@ from opd_exp.training.evaluate import Evaluator
 from opd_exp.training.memory import check_step_memory
 from opd_exp.training.objective import TOKEN_METRICS, Objective, Tally, metric_beta
 from opd_exp.training.rollout import HfRollout, checkpoint_sampling_settings
-from opd_exp.training.scoring import build_teacher_scorer, dropout_off, sparse_teacher_k, student_logits
+from opd_exp.training.scoring import dropout_off, student_logits
 from opd_exp.training.state import DataCursor, TrainState
 from opd_exp.training.teacher_served import TeacherUnavailable
+from opd_exp.training.teachers import build_teacher_scorer, sparse_teacher_k
 
 # rollout/logprob_gap above this (nats per token): the engine samples another distribution
 LOGPROB_GAP_WARN = 1e-3
