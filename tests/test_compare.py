@@ -1,5 +1,6 @@
 """`opd-compare` on synthetic multiruns (and, marked slow, on a real tiny opd-train multirun)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -171,3 +172,109 @@ def test_compare_on_a_real_tiny_multirun(tmp_path):
         # the own divergence (rkl: eval/kl_reverse = eval/rkl; jsd: eval/jsd) after training
         assert cells[-3] == (cells[10] if cells[2] == "rkl" else cells[7])
     assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+def _rewrite(run_dir, rows):
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_unfinished_jobs_are_listed_apart_with_their_step(tmp_path, capsys):
+    from filelock import FileLock
+
+    folder = write_multirun(tmp_path)
+    _rewrite(folder / "2", metrics_rows(0.5, 0.02, 2)[:3])  # rkl seed 2 stopped after step 2 of 4
+    _rewrite(folder / "5", metrics_rows(0.6, 0.01, 2)[:3])  # jsd seed 2 still running at step 2
+    with FileLock(str(folder / "5" / ".opd-train.lock")):
+        code, out, err = compare(capsys, folder)
+    assert code == 0 and err == ""
+    lines = out.splitlines()
+    assert lines[0].startswith(f"{folder}: 4 jobs, 2 variants;")
+    assert _cells(lines[3])[:5] == [RKL, "0,1", "rkl", "0.1 ± 0", "0.505 ± 0.0071"]
+    assert _cells(lines[4])[:2] == [JSD, "0,1"]
+    assert lines[-3:] == [
+        "jobs that have not reached trainer.max_steps, left out of the table: 2",
+        f"  {folder / '2'}: {RKL} (stopped at step 2/4)",
+        f"  {folder / '5'}: {JSD} (running, step 2/4)",
+    ]
+
+
+def test_a_run_that_ended_nonfinite_shows_so(tmp_path, capsys):
+    folder = write_multirun(tmp_path)
+    rows = metrics_rows(0.5, 0.02, 1)
+    rows[-1]["eval/accuracy"] = None  # nan, as the trainer logs it
+    rows[-1]["eval/kl_reverse"] = float("inf")
+    _rewrite(folder / "1", rows)
+    code, out, _ = compare(capsys, folder)
+    assert code == 0
+    lines = out.splitlines()
+    cells = _cells(lines[3])
+    assert cells[:6] == [RKL, "0,1,2", "rkl", "0.1 ± 0", "nan", "nan"]
+    assert cells[9:12] == ["1 ± 0", "inf", "inf"]  # eval KL(S||T) before, after, change
+    assert f"note: {folder / '1'}: ended non-finite at step 4: eval accuracy nan, eval KL(S‖T) inf, eval: own divergence inf" in lines
+
+
+def _own_run(run_dir, divergence, rows):
+    write_run(run_dir, [f"divergence={divergence}"], rows)
+    (run_dir / ".hydra" / "config.yaml").write_text(f"seed: 0\ntrainer: {{max_steps: 4}}\ndivergence: {{name: {divergence}}}\n")
+    return run_dir
+
+
+def test_own_divergence_before_an_extension_that_switched_to_it(tmp_path, capsys):
+    # fkl for steps 1-2, then extended with rkl: eval/rkl is logged from the switch on only
+    rows = metrics_rows(0.5, 0.02, 0)
+    rows[-1]["eval/rkl"] = rows[-1]["eval/kl_reverse"]
+    a = _own_run(tmp_path / "a", "rkl", rows)
+    rows = metrics_rows(0.5, 0.02, 0)
+    rows[-1]["eval/tvd"] = 0.3  # no fixed-name twin: its value before training was never measured
+    b = _own_run(tmp_path / "b", "tvd", rows)
+    code, out, _ = compare(capsys, f"a={a}", f"b={b}")
+    assert code == 0
+    lines = out.splitlines()
+    assert _cells(lines[3])[-4:] == ["1", "0.1", "-0.9", "2"]  # own before = its eval KL(S||T) at step 0
+    assert _cells(lines[4])[-4:] == ["n/a", "0.3", "n/a", "2"]
+
+
+def test_damaged_inputs_are_notes_or_one_line_errors(tmp_path, capsys):
+    folder = write_multirun(tmp_path)
+    with (folder / "0" / "metrics.jsonl").open("a") as fh:
+        fh.write('{"step": 1e999, "eval/accuracy": 1.0}\n')
+    (folder / "1" / ".hydra" / "overrides.yaml").write_text("5\n")
+    (folder / "2" / ".hydra" / "overrides.yaml").write_bytes(b"- divergence=\xff\xfe\n")
+    (folder / "3" / "metrics.jsonl").unlink()
+    (folder / "3" / "metrics.jsonl").mkdir()
+    code, out, err = compare(capsys, folder)
+    assert code == 0 and err == ""
+    assert f"note: {folder / '0'}: skipped 1 unreadable metrics.jsonl line(s)" in out
+    assert out.splitlines()[-2:] == [
+        "jobs that wrote no metrics.jsonl (failed at start, or still starting), left out: 1",
+        f"  {folder / '3'}",
+    ]
+    (tmp_path / "file").write_text("")
+    for args, message in [
+        (["--plot", tmp_path / "x.xyz"], f"--plot {tmp_path / 'x.xyz'}: format 'xyz' is unknown; allowed: "),
+        (["--plot", tmp_path / "file" / "x.png"], f"--plot {tmp_path / 'file' / 'x.png'}: {tmp_path / 'file'} is a file, not a folder"),
+        (["--smooth", "-1"], "--smooth -1 is not an EMA span; allowed: a finite number >= 1"),
+        (["--smooth", "nan"], "--smooth nan is not an EMA span; allowed: a finite number >= 1"),
+    ]:
+        code, out, err = compare(capsys, folder, *args)
+        assert (code, out) == (2, "") and err.startswith(f"opd-compare: error: {message}") and err.count("\n") == 1, err
+    assert not (tmp_path / "x.xyz").exists()
+
+
+def test_metrics_are_streamed_and_bounded(tmp_path, capsys, monkeypatch):
+    from opd_exp.analysis import runs as runs_mod
+
+    run_dir = write_run(tmp_path / "run", ["divergence=rkl"], metrics_rows(0.5, 0.02, 0, steps=40))
+    size = (run_dir / "metrics.jsonl").stat().st_size
+    first_lines = (run_dir / "metrics.jsonl").read_bytes().splitlines(keepends=True)[:5]
+    monkeypatch.setattr(runs_mod, "MAX_METRICS_BYTES", len(b"".join(first_lines)))
+    code, out, _ = compare(capsys, run_dir, "--metric", "jsd/mean")
+    assert code == 0
+    assert size > runs_mod.MAX_METRICS_BYTES
+    assert f"note: {run_dir}: metrics.jsonl is larger than {runs_mod.MAX_METRICS_BYTES:,} bytes; only those were read" in out
+    assert runs_mod.read_run(run_dir).last_step() == 4  # 5 lines read: step 0..4
+    # one line longer than MAX_LINE_BYTES (a link to a file that is no metrics.jsonl) is skipped unread
+    monkeypatch.setattr(runs_mod, "MAX_LINE_BYTES", 64)
+    path = tmp_path / "long.jsonl"
+    path.write_bytes(b'{"step": 1, "loss": 2.0}\n' + b"0" * 1000 + b'\n{"step": 2, "loss": 3.0}\n')
+    assert runs_mod.read_metrics(path) == ({"loss": [(1, 2.0), (2, 3.0)]}, 1)

@@ -2,6 +2,7 @@
 
 from opd_exp.analysis.runs import (
     CURVE_METRICS,
+    MAX_METRICS_BYTES,
     METRICS_FILE,
     OWN,
     SEED_KEYS,
@@ -29,6 +30,7 @@ from opd_exp.analysis.runs import (
     plot_curves,
     read_metrics,
     read_run,
+    seed_stat,
     short_label,
     summary_table,
     table_columns,
@@ -37,6 +39,7 @@ from opd_exp.analysis.runs import (
 
 __all__ = [
     "CURVE_METRICS",
+    "MAX_METRICS_BYTES",
     "METRICS_FILE",
     "OWN",
     "SEED_KEYS",
@@ -64,6 +67,7 @@ __all__ = [
     "plot_curves",
     "read_metrics",
     "read_run",
+    "seed_stat",
     "short_label",
     "summary_table",
     "table_columns",

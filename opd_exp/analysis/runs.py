@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import statistics
 from collections.abc import Iterable, Sequence
@@ -33,6 +34,12 @@ TABLE_METRICS = ("eval/accuracy", "eval/jsd", "eval/kl_reverse")
 # per-step training metrics (EMA-smoothed when plotted), then the eval panels
 CURVE_METRICS = ("jsd/mean", "kl/reverse", "eval/accuracy", "eval/jsd", "eval/kl_reverse", "own")
 METRICS_FILE = "metrics.jsonl"
+# metrics.jsonl is streamed, never read whole: a line longer than this is unreadable, and
+# reading stops after this many bytes (a link to a huge file must not fill the memory)
+MAX_LINE_BYTES = 1 << 20
+MAX_METRICS_BYTES = 1 << 30
+LOCK_FILE = ".opd-train.lock"  # held by the training process while it runs (runtime/checkpoint.py)
+PID_FILE = ".opd-train.pid"
 OWN = "own"  # the pseudo-metric "the variant's own eval divergence" (eval/<its divergence>)
 # eval metrics that equal eval/<name> for the divergences the trainer always evaluates
 OWN_ALIASES = {"rkl": "eval/kl_reverse", "fkl": "eval/kl_forward", "jsd": "eval/jsd"}
@@ -78,29 +85,55 @@ class Run:
     bad_lines: int = 0  # unreadable metrics.jsonl lines (e.g. the last line of a killed job)
     divergence: str | None = None  # the trained divergence's name (from the run's config)
     source: str = ""  # the label of the folder it was loaded from (opd-compare A B, name=path)
+    max_steps: int | None = None  # trainer.max_steps of its last session (from .hydra/config.yaml)
+    running: bool = False  # a process holds the run folder's lock now
+    truncated: int = 0  # metrics.jsonl is longer than MAX_METRICS_BYTES: the bytes read (its start)
 
     def metrics(self) -> list[str]:
         return sorted(self.series)
 
+    def get(self, metric: str) -> list[tuple[int, float]]:
+        """[(step, value)] of ``metric``; ``own``: the run's own eval divergence (``own_series``)."""
+        return self.own_series() if metric == OWN else self.series.get(metric, [])
+
     def steps(self, metric: str) -> list[int]:
-        return [s for s, _ in self.series.get(metric, [])]
+        return [s for s, _ in self.get(metric)]
 
     def values(self, metric: str) -> list[float]:
-        return [v for _, v in self.series.get(metric, [])]
+        return [v for _, v in self.get(metric)]
 
     def final(self, metric: str) -> float | None:
-        """The last finite value logged for ``metric`` (the final eval for eval metrics)."""
-        for _, v in reversed(self.series.get(metric, [])):
-            if v is not None and math.isfinite(v):
-                return v
-        return None
+        """The last value logged for ``metric`` (the final eval for eval metrics); nan or inf
+        when that is what the run ended with (a diverged run must not look unmoved)."""
+        series = self.get(metric)
+        return series[-1][1] if series else None
+
+    def last_step(self) -> int | None:
+        return max((s[-1][0] for s in self.series.values() if s), default=None)
+
+    @property
+    def finished(self) -> bool:
+        """Reached ``trainer.max_steps`` (a folder that does not say how many: it has a summary, or is assumed done)."""
+        last = self.last_step()
+        if self.max_steps is not None and last is not None:
+            return last >= self.max_steps
+        return bool(self.summary) or not self.running
+
+    def status(self) -> str:
+        """``running, step 54/120`` or ``stopped at step 54/120`` for a job that has not finished."""
+        where = f"step {self.last_step()}/{self.max_steps if self.max_steps is not None else '?'}"
+        return f"running, {where}" if self.running else f"stopped at {where}"
 
     def first(self, metric: str) -> float | None:
-        """The first finite value logged (for ``eval/*``: the evaluation before training)."""
-        for _, v in self.series.get(metric, []):
-            if v is not None and math.isfinite(v):
-                return v
-        return None
+        """The first value logged (for ``eval/*``: the evaluation before training); for ``own``
+        None when the run's own divergence was not measured at its first evaluation (an
+        extension that switched to a divergence with no fixed-name twin)."""
+        series = self.get(metric)
+        if not series:
+            return None
+        if metric == OWN and series[0][0] > min(self.steps("eval/accuracy") or [series[0][0]]):
+            return None
+        return series[0][1]
 
     def own_metric(self) -> str | None:
         """``eval/<divergence>``: the trained divergence at its own parameters (older runs:
@@ -112,6 +145,24 @@ class Run:
             return key
         alias = OWN_ALIASES.get(self.divergence)
         return alias if alias in self.series else None
+
+    def own_series(self) -> list[tuple[int, float]]:
+        """The own eval divergence's [(step, value)]. After an extension that switched to rkl or
+        fkl, ``eval/<name>`` starts at the switch; its fixed-name twin (``eval/kl_reverse``,
+        ``eval/kl_forward``: the same values wherever both were logged) holds the earlier steps."""
+        key = self.own_metric()
+        if key is None:
+            return []
+        own = self.series[key]
+        twin = OWN_ALIASES.get(self.divergence or "")
+        if twin is None or twin == key or twin not in self.series or not own:
+            return own
+        theirs = self.series[twin]
+        at = dict(theirs)
+        if any(step in at and at[step] != v and not (math.isnan(v) and math.isnan(at[step])) for step, v in own):
+            return own  # not the same quantity (another beta or alpha): no twin
+        start = own[0][0]
+        return [(s, v) for s, v in theirs if s < start] + own
 
     def steps_per_s(self) -> float | None:
         """Training steps per second: logged step times if present, else the summary's wall time."""
@@ -143,26 +194,54 @@ def _read_yaml(path: Path) -> Any:
     import yaml  # PyYAML, a dependency of omegaconf/Hydra
 
     try:
-        return yaml.safe_load(path.read_text())
-    except (OSError, yaml.YAMLError):
+        return yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError):  # ValueError: bytes that are not UTF-8
         return None
 
 
-def read_metrics(path: Path) -> tuple[dict[str, list[tuple[int, float]]], int]:
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _lines(path: Path, max_bytes: int) -> Iterable[bytes | None]:
+    """The lines of a file, streamed; None for a line longer than MAX_LINE_BYTES (skipped
+    unread); stops after ``max_bytes``."""
+    read = 0
+    with open(path, "rb") as fh:
+        while read < max_bytes:
+            line = fh.readline(min(MAX_LINE_BYTES, max_bytes - read) + 1)
+            if not line:
+                return
+            read += len(line)
+            if len(line) <= MAX_LINE_BYTES:
+                yield line
+                continue
+            while line and not line.endswith(b"\n") and read < max_bytes:  # skip the rest of the long line
+                line = fh.readline(min(MAX_LINE_BYTES, max_bytes - read) + 1)
+                read += len(line)
+            yield None
+
+
+def read_metrics(path: Path, *, max_bytes: int | None = None) -> tuple[dict[str, list[tuple[int, float]]], int]:
     """metrics.jsonl -> ({metric: [(step, value)]}, number of unreadable lines).
 
-    Non-numeric values are skipped; null (a NaN the trainer logged) becomes nan.
+    Non-numeric values are skipped; null (a NaN the trainer logged) becomes nan. The file is
+    streamed and read up to ``max_bytes`` (default MAX_METRICS_BYTES).
     """
     series: dict[str, list[tuple[int, float]]] = {}
     bad = 0
-    for raw in Path(path).read_bytes().splitlines():
-        if not raw.strip():
+    for raw in _lines(Path(path), MAX_METRICS_BYTES if max_bytes is None else max_bytes):
+        if raw is not None and not raw.strip():
             continue
         try:
             row = json.loads(raw.decode("utf-8"))  # a line that is not UTF-8 counts as unreadable
             step = int(row["step"])
-        except (ValueError, KeyError, TypeError):
-            bad += 1  # a job killed mid-write leaves a truncated last line
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError):
+            bad += 1  # a job killed mid-write leaves a truncated last line; {"step": 1e999} is no step
             continue
         for key, value in row.items():
             if key == "step" or isinstance(value, bool):
@@ -170,15 +249,49 @@ def read_metrics(path: Path) -> tuple[dict[str, list[tuple[int, float]]], int]:
             if value is None:
                 value = math.nan
             if isinstance(value, (int, float)):
-                series.setdefault(key, []).append((step, float(value)))
+                try:
+                    series.setdefault(key, []).append((step, float(value)))
+                except OverflowError:  # an integer beyond float range
+                    series.setdefault(key, []).append((step, math.inf if value > 0 else -math.inf))
     return series, bad
+
+
+def _lock_held(run_dir: Path) -> bool:
+    """Whether a process holds the run folder's lock now: read from /proc/locks (Linux), which
+    takes no lock itself (a job starting this instant is never refused because of us); elsewhere,
+    whether the pid the lock's owner wrote is alive."""
+    lock = run_dir / LOCK_FILE
+    try:
+        st = lock.stat()
+    except OSError:
+        return False
+    try:
+        with open("/proc/locks", encoding="ascii", errors="replace") as fh:
+            table = fh.read()
+    except OSError:
+        try:
+            pid = int((run_dir / PID_FILE).read_text().strip())
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except (OSError, ValueError):
+            return False
+        return True
+    want = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    return any(len(p := line.split()) > 5 and p[5].lower() == want for line in table.splitlines())
 
 
 def read_run(run_dir: str | Path) -> Run:
     """One run folder (must hold metrics.jsonl) -> Run (variant filled in by ``load_runs``)."""
     run_dir = Path(run_dir)
-    series, bad = read_metrics(run_dir / METRICS_FILE)
-    overrides = parse_overrides(_read_yaml(run_dir / ".hydra" / "overrides.yaml") or [])
+    path = run_dir / METRICS_FILE
+    series, bad = read_metrics(path)
+    try:
+        truncated = MAX_METRICS_BYTES if path.stat().st_size > MAX_METRICS_BYTES else 0
+    except OSError:
+        truncated = 0
+    listed = _read_yaml(run_dir / ".hydra" / "overrides.yaml")
+    overrides = parse_overrides(listed if isinstance(listed, list) else [])
     seed: Any = next((overrides[k] for k in SEED_KEYS if k in overrides), None)
     if seed is None:  # not overridden: the composed config still says which seed ran
         config = _read_yaml(run_dir / ".hydra" / "config.yaml")
@@ -192,13 +305,21 @@ def read_run(run_dir: str | Path) -> Run:
     divergence = overrides.get("divergence.name", overrides.get("divergence"))
     if isinstance(div, dict) and div.get("name"):
         divergence = str(div["name"])
-    summary = {}
-    if (run_dir / "summary.json").is_file():
-        try:
-            summary = json.loads((run_dir / "summary.json").read_text())
-        except ValueError:
-            summary = {}
-    return Run(path=run_dir, overrides=overrides, seed=seed, series=series, summary=summary, bad_lines=bad, divergence=divergence)
+    summary = _read_json(run_dir / "summary.json") if (run_dir / "summary.json").is_file() else {}
+    trainer = config.get("trainer") if isinstance(config, dict) else None
+    max_steps = trainer.get("max_steps") if isinstance(trainer, dict) else None
+    return Run(
+        path=run_dir,
+        overrides=overrides,
+        seed=seed,
+        series=series,
+        summary=summary,
+        bad_lines=bad,
+        divergence=divergence,
+        max_steps=max_steps if isinstance(max_steps, int) and not isinstance(max_steps, bool) else None,
+        running=_lock_held(run_dir),
+        truncated=truncated,
+    )
 
 
 def _natural_key(path: Path) -> list:
@@ -213,7 +334,7 @@ def find_run_dirs(folder: str | Path) -> list[Path]:
         raise AnalysisError(f"no such folder: {folder}")
     if not folder.is_dir():
         raise AnalysisError(f"not a folder: {folder} (give a Hydra run or multirun folder)")
-    found = [p.parent for p in folder.rglob(METRICS_FILE) if "wandb" not in p.relative_to(folder).parts[:-1]]
+    found = [p.parent for p in folder.rglob(METRICS_FILE) if p.is_file() and "wandb" not in p.relative_to(folder).parts[:-1]]
     if not found:
         raise AnalysisError(f"no {METRICS_FILE} under {folder}: not an opd-train run or multirun folder (or no job has logged yet)")
     return sorted(found, key=_natural_key)
@@ -223,7 +344,7 @@ def find_failed_jobs(folder: str | Path) -> list[Path]:
     """Job folders (with ``.hydra/``) that never wrote metrics.jsonl: jobs that failed at start."""
     folder = Path(folder)
     return sorted(
-        (p.parent for p in folder.rglob(".hydra") if p.is_dir() and not (p.parent / METRICS_FILE).exists()),
+        (p.parent for p in folder.rglob(".hydra") if p.is_dir() and not (p.parent / METRICS_FILE).is_file()),
         key=_natural_key,
     )
 
@@ -357,6 +478,17 @@ def mean_std(values: Iterable[float | None]) -> tuple[float, float, int]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0), len(xs)
 
 
+def seed_stat(values: Iterable[float | None]) -> tuple[float, float, int]:
+    """``mean_std`` over seeds, except that a seed that ended non-finite makes the whole cell
+    non-finite (nan, or inf/-inf when every such seed agrees): a diverged seed is never averaged away."""
+    xs = [v for v in values if v is not None]
+    odd = {v for v in xs if not math.isfinite(v)}
+    if not odd:
+        return mean_std(xs)
+    value = odd.pop() if len(odd) == 1 else math.nan
+    return value, math.nan, len(xs)
+
+
 def group_by_variant(runs: Iterable[Run]) -> dict[str, list[Run]]:
     """{variant: runs sorted by seed}, variants in the order their first job ran."""
     groups: dict[str, list[Run]] = {}
@@ -380,16 +512,16 @@ def summary_table(runs: Sequence[Run], metrics: Sequence[str] = TABLE_METRICS, *
     rows = []
     for variant, rs in group_by_variant(runs).items():
         row: dict[str, Any] = {"variant": variant, "seeds": [r.seed for r in rs], "n": len(rs)}
-        cols = [(m, (lambda r, m=m: m)) for m in metrics]
+        cols = list(metrics)
         if own:
-            cols.append((OWN, Run.own_metric))
+            cols.append(OWN)
             row["divergence"] = ",".join(dict.fromkeys(r.divergence or "?" for r in rs))
-        for key, which in cols:
-            after = [r.final(which(r)) if which(r) else None for r in rs]
-            before = [r.first(which(r)) if which(r) else None for r in rs]
-            row[key] = mean_std(after)
-            row[f"{key} before"] = mean_std(before)
-            row[f"{key} delta"] = mean_std(a - b if a is not None and b is not None else None for a, b in zip(after, before))
+        for key in cols:
+            after = [r.final(key) for r in rs]
+            before = [r.first(key) for r in rs]
+            row[key] = seed_stat(after)
+            row[f"{key} before"] = seed_stat(before)
+            row[f"{key} delta"] = seed_stat(a - b if a is not None and b is not None else None for a, b in zip(after, before))
         row["steps/s"] = mean_std(r.steps_per_s() for r in rs)
         rows.append(row)
     return rows
@@ -400,7 +532,7 @@ def curve(runs: Sequence[Run], metric: str) -> dict[str, list[float]]:
     ``max``, ``n`` per step (a step some seeds did not log averages those that did)."""
     by_step: dict[int, list[float]] = {}
     for r in runs:
-        for step, v in r.series.get(metric, []):
+        for step, v in r.get(metric):
             if math.isfinite(v):
                 by_step.setdefault(step, []).append(v)  # a resumed run may repeat a step: keep both
     out: dict[str, list[float]] = {k: [] for k in ("step", "mean", "std", "min", "max", "n")}
@@ -419,6 +551,8 @@ def format_stat(stat: tuple[float, float, int], digits: int = 4, signed: bool = 
     mean, std, n = stat
     if n == 0:
         return "n/a"
+    if not math.isfinite(mean):  # a run that ended diverged (see seed_stat)
+        return str(mean)
     value = f"{mean:+.{digits}g}" if signed else f"{mean:.{digits}g}"
     if n == 1:
         return value
@@ -562,8 +696,7 @@ def plot_curves(
         spans: list[float] = []
         for i, (variant, rs) in enumerate(groups.items()):
             if metric == OWN:
-                own = {r.own_metric() for r in rs} - {None}
-                c = curve(rs, own.pop()) if len(own) == 1 else curve([], metric)
+                c = curve(rs, OWN)
             else:
                 c = curve(rs, metric)
             if not c["step"]:

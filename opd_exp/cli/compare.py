@@ -8,12 +8,15 @@ Prints one row per variant (a job's overrides minus the seed and minus the overr
 of its folder share; with several folders, the folder's label first) with, per metric, its
 value before training, after, and the change, as mean ± sample std over seeds; then the
 variant's own eval divergence (``eval/<its divergence>``) the same way, and training steps/s.
-Jobs that wrote nothing are listed apart. Errors are one line on stderr with exit code 2.
+A value a run ended with as nan or inf is shown so (a diverged run never looks unmoved). Jobs
+that have not reached ``trainer.max_steps`` (still running, or stopped) and jobs that wrote
+nothing are listed apart. Errors are one line on stderr with exit code 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -28,6 +31,7 @@ from opd_exp.analysis import (
     format_table,
     load_sources,
     mean_std,
+    metric_label,
     plot_curves,
     summary_table,
 )
@@ -75,9 +79,33 @@ def _check_metrics(names, known, what):
         raise AnalysisError(f"{what} {', '.join(map(repr, unknown))} not in any job's metrics.jsonl; allowed: {', '.join(known)}")
 
 
+def _check_plot_args(args) -> None:
+    """Refuse a --plot path or --smooth span before any work (a savefig error after the table is a traceback)."""
+    if args.smooth is not None and not (math.isfinite(args.smooth) and args.smooth >= 1):
+        raise AnalysisError(f"--smooth {args.smooth:g} is not an EMA span; allowed: a finite number >= 1 (logged steps; 1: no smoothing)")
+    if args.plot is None:
+        return
+    from matplotlib.figure import Figure
+
+    formats = Figure().canvas.get_supported_filetypes()
+    suffix = args.plot.suffix.lower().lstrip(".")
+    if suffix not in formats:
+        raise AnalysisError(f"--plot {args.plot}: format {suffix or '(none)'!r} is unknown; allowed: {', '.join(sorted(formats))}")
+    for parent in (args.plot.parent, *args.plot.parent.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise AnalysisError(f"--plot {args.plot}: {parent} is a file, not a folder; allowed: a path in a folder")
+            break
+    if args.plot.is_dir():
+        raise AnalysisError(f"--plot {args.plot} is a folder; allowed: a file name such as curves.png")
+
+
 def run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    runs, sources = load_sources(args.folders)
+    _check_plot_args(args)
+    loaded, sources = load_sources(args.folders)
+    runs = [r for r in loaded if r.finished]
+    unfinished = [r for r in loaded if not r.finished]
     known = available_metrics(runs)
     metrics = args.metric or list(TABLE_METRICS)
     if args.metric:  # asked-for columns must exist; default ones may be missing (shown n/a)
@@ -101,9 +129,19 @@ def run(argv: list[str] | None = None) -> int:
             teacher = mean_std(r.final("eval/teacher_accuracy") for r in runs if r.source == label)
             if teacher[2]:
                 print(f"teacher eval accuracy{f' ({label})' if len(sources) > 1 else ''}: {teacher[0]:.4g}")
-        for r in runs:
+        for r in loaded:
             if r.bad_lines:
                 print(f"note: {r.path}: skipped {r.bad_lines} unreadable metrics.jsonl line(s)")
+            if r.truncated:
+                print(f"note: {r.path}: metrics.jsonl is larger than {r.truncated:,} bytes; only those were read")
+        for r in runs:
+            odd = [f"{metric_label(m)} {r.final(m)}" for m in [*metrics, OWN] if r.final(m) is not None and not math.isfinite(r.final(m))]
+            if odd:
+                print(f"note: {r.path}: ended non-finite at step {r.last_step()}: {', '.join(odd)}")
+        if unfinished:
+            print(f"jobs that have not reached trainer.max_steps, left out of the table: {len(unfinished)}")
+            for r in unfinished:
+                print(f"  {r.path}: {r.variant} ({r.status()})")
         if failed:
             print(f"jobs that wrote no metrics.jsonl (failed at start, or still starting), left out: {len(failed)}")
             for _, d in failed:
@@ -111,9 +149,13 @@ def run(argv: list[str] | None = None) -> int:
 
     if args.plot is not None:
         smooth = False if args.no_smooth else (args.smooth if args.smooth is not None else True)
-        fig = plot_curves(runs, curves, band=args.band, smooth=smooth, logy=args.log_y, title=args.title or figure_title(sources, runs))
-        args.plot.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(args.plot, dpi=150)
+        # every job's curve, unfinished ones too (a running sweep is watched this way)
+        fig = plot_curves(loaded, curves, band=args.band, smooth=smooth, logy=args.log_y, title=args.title or figure_title(sources, loaded))
+        try:
+            args.plot.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(args.plot, dpi=150)
+        except OSError as ex:
+            raise AnalysisError(f"--plot {args.plot} cannot be written ({ex.strerror or ex}); allowed: a writable path") from None
         if args.format != "csv":
             print(f"curves written to {args.plot}")
     return 0
