@@ -307,3 +307,22 @@ def test_trainer_with_the_fake_engine_syncs_every_step(tiny_pair, add_task, tmp_
     monkeypatch.setattr(VllmRollout, "sync_weights", lambda self, student, version: False)
     stale = [t.train_step() for _ in range(2)]
     assert stale[-1]["rollout/logprob_gap"] > 1e-3, stale[-1]["rollout/logprob_gap"]
+
+
+def test_only_the_known_vllm_warnings_are_dropped(caplog):
+    """The rotary table's reload line and the tokenizer-less chat warm-up are dropped; any
+    other warning from the same loggers (a layer that really failed to load) comes through."""
+    import logging
+
+    from opd_exp.training.rollout_vllm import _quiet
+
+    reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    with caplog.at_level(logging.WARNING), _quiet(reload_log.name, "vllm.renderers.base"):
+        reload_log.warning("%s: Failed to load weights", "RotaryEmbedding")
+        reload_log.warning("%s: Failed to load weights", "QKVParallelLinear")
+        logging.getLogger("vllm.renderers.base").warning("Chat template warmup failed", exc_info=False)
+    reload_log.warning("%s: Failed to load weights", "RotaryEmbedding")  # outside: not filtered
+    assert [r.getMessage() for r in caplog.records] == [
+        "QKVParallelLinear: Failed to load weights",
+        "RotaryEmbedding: Failed to load weights",
+    ]

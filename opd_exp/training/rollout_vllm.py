@@ -119,13 +119,34 @@ def in_process_engine() -> Iterator[None]:
             os.environ[key] = before
 
 
-class _QuietRotaryReload(logging.Filter):
-    """vLLM's in-place reload warns "RotaryEmbedding: Failed to load weights" on every sync: the
-    rotary table is a buffer no checkpoint holds, and it is put back as it was. Only that line
-    is dropped."""
+# vLLM warnings that are expected here and say nothing wrong: (message, args), dropped (only these)
+KNOWN_WARNINGS = frozenset(
+    {
+        # every weight push: the rotary table is a buffer no checkpoint holds; it is put back as it was
+        ("%s: Failed to load weights", ("RotaryEmbedding",)),
+        # start-up, with a traceback: skip_tokenizer_init leaves no tokenizer to render a chat with
+        ("Chat template warmup failed", ()),
+        # start-up: the CPU worker's own warm-up asks for threads; in_process_engine gives set_num_threads back
+        ("CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding, skip it.", ()),
+    }
+)
 
+
+class _KnownWarnings(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        return not (record.msg == "%s: Failed to load weights" and record.args == ("RotaryEmbedding",))
+        return (record.msg, tuple(record.args or ())) not in KNOWN_WARNINGS
+
+
+@contextmanager
+def _quiet(*loggers: str) -> Iterator[None]:
+    known = _KnownWarnings()
+    for name in loggers:
+        logging.getLogger(name).addFilter(known)
+    try:
+        yield
+    finally:
+        for name in loggers:
+            logging.getLogger(name).removeFilter(known)
 
 
 def _load_weights_on_worker(worker, weights):
@@ -180,7 +201,7 @@ class VllmRollout(RolloutEngine):
         extra = {"logprobs_mode": PROCESSED, "generation_config": "vllm"}
         while True:
             try:
-                with in_process_engine():
+                with in_process_engine(), _quiet("vllm.renderers.base", "vllm.v1.worker.cpu_worker"):
                     return LLM(**kwargs, **extra), "logprobs_mode" in extra
             except TypeError as ex:
                 unknown = [k for k in extra if k in str(ex)]
@@ -240,17 +261,13 @@ class VllmRollout(RolloutEngine):
             return False
         base = student.get_base_model() if hasattr(student, "get_base_model") else student
         weights = [(name, t.detach()) for name, t in base.state_dict().items()]
-        reload_log = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
-        quiet = _QuietRotaryReload()
-        reload_log.addFilter(quiet)
         try:  # in place, re-running the kernels' weight processing (CPU repacking)
-            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
+            with _quiet("vllm.model_executor.model_loader.reload.layerwise"):
+                self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
         except (AttributeError, TypeError) as ex:
             if "reload_weights" not in str(ex) and "weights_iterator" not in str(ex):
                 raise
             self.llm.collective_rpc(_load_weights_on_worker, args=(weights,))
-        finally:
-            reload_log.removeFilter(quiet)
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self.version = version
