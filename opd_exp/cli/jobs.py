@@ -5,6 +5,7 @@ started (a console script, or ``python -m opd_exp.cli.train``, where the entry m
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 # (job folders) and (job number, job folder, message, exit code)
@@ -16,3 +17,21 @@ def failed_summary() -> str:
     n = len(FAILED_JOBS)
     jobs = "; ".join(f"#{num} ({folder}): {line}" for num, folder, line, _ in FAILED_JOBS)
     return f"{n} of {max(len(JOBS_STARTED), n)} jobs of the multirun failed: {jobs} -- fix those and run the same multirun again (finished jobs are skipped)"
+
+
+def job_failed(ex: BaseException, code: int, hc) -> float:
+    """One line for a job that cannot run. A single run exits with ``code``; in a multirun the
+    other jobs still run (the failure is recorded and ``main`` exits non-zero at the end)."""
+    from hydra.types import RunMode
+
+    from opd_exp.cli.errors import one_line
+    from opd_exp.config.plugins import missing_hint
+
+    line = one_line(ex) + missing_hint(hc.runtime.output_dir)
+    print(f"opd-train: error: {line}", file=sys.stderr, flush=True)
+    if hc.mode != RunMode.MULTIRUN:
+        sys.exit(code)
+    FAILED_JOBS.append((int(hc.job.get("num", len(FAILED_JOBS))), str(hc.runtime.output_dir), line, code))
+    if "BasicLauncher" not in str(hc.launcher.get("_target_", "")):
+        raise ex  # jobs in other processes: Hydra collects the failure (after every job has run)
+    return float("nan")

@@ -25,9 +25,11 @@ from omegaconf.errors import OmegaConfBaseException
 from opd_exp.cli.compose import build_inputs, check_choices, to_train_config, validated
 from opd_exp.cli.errors import argv_problem, io_error, one_line, yaml_line
 from opd_exp.cli.jobs import FAILED_JOBS, JOBS_STARTED, failed_summary
+from opd_exp.cli.jobs import job_failed as _job_failed
 from opd_exp.cli.record import OWN_RECORD_ENV, scrub_sweep_record, write_hydra_record
 from opd_exp.cli.searchpath import register as register_sweeps
 from opd_exp.config import TrainConfig, folders, register_configs
+from opd_exp.config.plugins import missing_hint, record_plugins
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.runtime.guards import EXIT_CONFIG, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED, Diverged, Preempted
 
@@ -73,6 +75,7 @@ def _job(cfg: DictConfig, hc, run_dir: Path) -> float:
     lock = RunLock(run_dir) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
     with lock:
         write_hydra_record(cfg, hc, run_dir)
+        record_plugins(run_dir)  # a resume without them is told which to load
         if hc.mode == RunMode.MULTIRUN:
             scrub_sweep_record(Path(hc.sweep.dir))
         check_choices(hc)
@@ -114,21 +117,9 @@ def _close(sinks) -> None:
         sink.close()
 
 
-def _job_failed(ex: BaseException, code: int, hc) -> float:
-    """One line for a job that cannot run. A single run exits with ``code``; in a multirun the
-    other jobs still run (the failure is recorded and ``main`` exits non-zero at the end)."""
-    line = one_line(ex)
-    print(f"opd-train: error: {line}", file=sys.stderr, flush=True)
-    if hc.mode != RunMode.MULTIRUN:
-        sys.exit(code)
-    FAILED_JOBS.append((int(hc.job.get("num", len(FAILED_JOBS))), str(hc.runtime.output_dir), line, code))
-    if "BasicLauncher" not in str(hc.launcher.get("_target_", "")):
-        raise ex  # jobs in other processes: Hydra collects the failure (after every job has run)
-    return float("nan")
-
-
 def _fail(ex: BaseException) -> None:
-    print(f"opd-train: error: {one_line(ex)}", file=sys.stderr)
+    run_dir = next((a.split("=", 1)[1] for a in sys.argv[1:] if a.lstrip("+").startswith("hydra.run.dir=")), None)
+    print(f"opd-train: error: {one_line(ex)}{missing_hint(run_dir)}", file=sys.stderr)
     sys.exit(EXIT_CONFIG)
 
 

@@ -2,19 +2,28 @@
 
 ``opd-train`` imports, once per process and before Hydra composes the config:
 
-* every module named in the ``OPD_PLUGINS`` environment variable (comma-separated; a module
-  name such as ``my_lab.jeffreys``, or the path of a ``.py`` file), and
+* every module named in the ``OPD_PLUGINS`` environment variable (a module name such as
+  ``my_lab.jeffreys``, or the path of a ``.py`` file; several separated by commas or by
+  ``os.pathsep``, ``:`` on Linux and macOS, ``;`` on Windows, as in ``PYTHONPATH``), and
 * every entry point of the ``opd_exp.plugins`` group of the installed packages.
 
 Importing the module runs its ``register_divergence`` / ``register_task`` calls, so
 ``divergence.name=jeffreys`` or ``task.name=my_jsonl`` are valid choices from then on.
+
+A registered divergence that is not one of ours must pass ``check_divergence`` before it
+trains (``check_plugin_divergence``: once per version of its source, the pass cached), and a
+run folder records the plugins it was made with (``plugins.json``), so a resume without them
+says which to load.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
+import json
 import os
+import re
 import sys
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -23,7 +32,15 @@ from opd_exp.runtime.errors import ConfigError, first_line
 
 ENV = "OPD_PLUGINS"
 GROUP = "opd_exp.plugins"
+RECORD = "plugins.json"  # in a run folder: the plugins its sessions loaded
 _LOADED: set[str] = set()
+_ORDER: list[str] = []  # the specs and entry points imported so far, in order
+
+
+def plugin_specs(value: str | None = None) -> list[str]:
+    """The entries of ``OPD_PLUGINS``: split at commas and at ``os.pathsep``."""
+    value = os.environ.get(ENV, "") if value is None else value
+    return [s.strip() for s in re.split(f"[,{re.escape(os.pathsep)}]", value) if s.strip()]
 
 
 def _import(spec: str) -> None:
@@ -40,12 +57,20 @@ def _import(spec: str) -> None:
         importlib.import_module(spec)
 
 
+def _exited(what: str, ex: SystemExit) -> ConfigError:
+    # a plugin's sys.exit(0) at import would end opd-train "successfully" with nothing trained
+    return ConfigError(
+        f"{what}: importing it called sys.exit({ex.code!r}); allowed: a module whose import only defines and registers "
+        f"(guard scripts with `if __name__ == '__main__':`)"
+    )
+
+
 def load_plugins() -> list[str]:
     """Import the plugins named by ``OPD_PLUGINS`` and the ``opd_exp.plugins`` entry points
-    (each once); returns what was newly loaded. A plugin that fails to import is one line."""
-    specs = [s.strip() for s in os.environ.get(ENV, "").split(",") if s.strip()]
+    (each once); returns what was newly loaded. A plugin that fails to import, or exits while
+    importing, is one line."""
     loaded = []
-    for spec in specs:
+    for spec in plugin_specs():
         if spec in _LOADED:
             continue
         _LOADED.add(spec)
@@ -53,6 +78,8 @@ def load_plugins() -> list[str]:
             _import(spec)
         except ConfigError:
             raise
+        except SystemExit as ex:
+            raise _exited(f"{ENV}: {spec!r}", ex) from None
         except Exception as ex:
             raise ConfigError(
                 f"{ENV}: cannot import {spec!r}: {type(ex).__name__}: {first_line(ex)}; allowed: an importable module or .py file"
@@ -65,7 +92,112 @@ def load_plugins() -> list[str]:
         _LOADED.add(key)
         try:
             ep.load()
+        except SystemExit as ex:
+            raise _exited(f"{GROUP} {ep.name!r} ({ep.value})", ex) from None
         except Exception as ex:
             raise ConfigError(f"{GROUP} {ep.name!r} ({ep.value}): cannot import: {type(ex).__name__}: {first_line(ex)}") from None
         loaded.append(key)
+    _ORDER.extend(loaded)
     return loaded
+
+
+# -- a plugin divergence passes check_divergence before it trains -----------------------------
+
+
+def _source_hash(cls: type, params: dict) -> str | None:
+    """SHA-256 of the plugin's source files (every class of its MRO outside opd_exp), the
+    checks' own source and the parameters; None when a source file cannot be read."""
+    from opd_exp.divergences import check
+
+    h = hashlib.sha256(json.dumps({"class": f"{cls.__module__}.{cls.__qualname__}", "params": params}, sort_keys=True).encode())
+    files = {Path(check.__file__)}
+    for c in cls.__mro__:
+        if c.__module__.split(".")[0] not in ("opd_exp", "builtins", "abc"):
+            try:
+                import inspect
+
+                files.add(Path(inspect.getsourcefile(c)))
+            except (TypeError, OSError):
+                return None
+    for f in sorted(files):
+        try:
+            h.update(f.read_bytes())
+        except (OSError, TypeError):
+            return None
+    return h.hexdigest()
+
+
+def check_plugin_divergence(name: str, params: dict) -> None:
+    """Run ``check_divergence`` on a registered divergence that is not one of ours (its class
+    lives outside ``opd_exp``) at these parameters; refuse it in one line when a check fails.
+    A pass is cached under the opd-exp cache root by a hash of the plugin's source, so a
+    start costs the ~1 s check once per version of the file."""
+    from opd_exp.divergences import DivergenceCheckError, check_divergence, divergence_class
+
+    cls = divergence_class(name)
+    if cls.__module__.split(".")[0] == "opd_exp":
+        return
+    digest = _source_hash(cls, params)
+    marker = None
+    if digest is not None:
+        from opd_exp.pairs.embedded.cache import cache_root
+
+        marker = cache_root() / "divergence-checks" / f"{digest[:32]}.ok"
+        if marker.is_file():
+            return
+    try:
+        check_divergence(cls(**params))
+    except DivergenceCheckError as ex:
+        raise ConfigError(
+            f"divergence={name} ({cls.__module__}.{cls.__qualname__}) fails check_divergence: {first_line(ex)}; "
+            f"allowed: a divergence whose costs and values pass check_divergence (docs/extending.md)"
+        ) from None
+    except Exception as ex:  # the plugin's own code raised
+        raise ConfigError(
+            f"divergence={name} ({cls.__module__}.{cls.__qualname__}): check_divergence raised {type(ex).__name__}: "
+            f"{first_line(ex)}; allowed: a divergence that passes check_divergence (docs/extending.md)"
+        ) from None
+    if marker is not None:
+        try:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(f"{cls.__module__}.{cls.__qualname__} {json.dumps(params, sort_keys=True)}\n")
+        except OSError:
+            pass  # a read-only cache: check again next time
+
+
+# -- which plugins a run folder was made with ---------------------------------------------
+
+
+def record_plugins(run_dir: Path) -> None:
+    """Add the plugins loaded in this process to ``<run_dir>/plugins.json`` (kept across sessions)."""
+    if not _ORDER:
+        return
+    path = Path(run_dir) / RECORD
+    recorded = read_plugins(run_dir)
+    specs = [s for s in _ORDER if s not in recorded]
+    if not specs:
+        return
+    text = json.dumps({ENV: recorded + specs}, indent=1) + "\n"
+    tmp = path.with_name(f".{RECORD}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_plugins(run_dir: Path) -> list[str]:
+    try:
+        got = json.loads((Path(run_dir) / RECORD).read_text()).get(ENV, [])
+    except (OSError, ValueError, AttributeError):
+        return []
+    return [str(s) for s in got] if isinstance(got, list) else []
+
+
+def missing_hint(run_dir: Path | str | None) -> str:
+    """For an error in a run folder made with plugins this process did not load: what to set."""
+    if not run_dir:
+        return ""
+    missing = [s for s in read_plugins(Path(run_dir)) if s not in _LOADED]
+    if not missing:
+        return ""
+    specs = [s for s in missing if not s.startswith("entry point ")]
+    fix = f"{ENV}={','.join(specs)}" if specs else "the package with the entry points " + ", ".join(missing)
+    return f" (this run folder was made with plugins not loaded now: {', '.join(missing)}; to resume it, set {fix})"
