@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 import os
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from opd_exp.config import TrainConfig
 from opd_exp.runtime.errors import ConfigError, first_line
@@ -124,3 +124,27 @@ def check_device(device: str, local_rank: int = 0) -> None:
             f"trainer.device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s); "
             f"allowed: cuda:0 .. cuda:{torch.cuda.device_count() - 1}, cuda, auto or cpu"
         )
+
+
+SHOW_FLAGS = ("--cfg", "-c")
+
+
+def check_shown_config(argv: list[str]) -> None:
+    """``--cfg job|hydra|all`` prints the composed config and exits 0: validate it first (schema,
+    ranges, combinations, chosen options), so a config that would not run is never shown as if
+    it would. A command with its own config folder or name (``-cp``/``-cd``/``-cn``) is shown as is."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args(argv)
+    if args.cfg is None or args.config_path or args.config_dir or args.config_name:
+        return
+    from opd_exp.config.folders import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=list(args.overrides), return_hydra_config=True)
+        hc = cfg.hydra
+        check_choices(hc)
+        with open_dict(cfg):
+            del cfg["hydra"]
+        validated(cfg, hc)
