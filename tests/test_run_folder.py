@@ -93,3 +93,28 @@ def test_eval_size_larger_than_the_eval_split_is_refused(tiny_pair, tmp_path):
         "trainer.eval_size=100 is more than the 16 eval problems of task 'arithmetic'; "
         "allowed: 0 (the whole split) up to 16, or a larger task.n_eval"
     )
+
+
+def test_extend_with_another_model_is_refused_and_renames_nothing(tiny_pair, tmp_path):
+    from types import SimpleNamespace
+
+    from helpers.tiny import build_model
+
+    run = tmp_path / "run"
+    Trainer(_cfg(), run, pair=tiny_pair, task=AddTask()).run(stop_after=2)
+    root = checkpoint.checkpoint_root(run)
+    ckpt = checkpoint.latest(run)
+    other = SimpleNamespace(
+        **{**vars(tiny_pair), "student": build_model(tmp_path / "other", tiny_pair.vocab_size, hidden=48, layers=1, seed=3)}
+    )
+    with pytest.raises(ConfigError) as ex:
+        Trainer(_cfg(max_steps=8, extend=True), run, pair=other, task=AddTask()).run()
+    msg = str(ex.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"hydra.run.dir: checkpoint {ckpt} holds another model than this run's student (size mismatch for model.")
+    assert msg.endswith("; nothing was set aside; allowed: the model pair it was trained with (model_pair=embedded), or a new hydra.run.dir")
+    assert sorted(p.name for p in root.iterdir()) == ["step_000002"]
+    # the run's own command still resumes it
+    Trainer(_cfg(), run, pair=tiny_pair, task=AddTask()).run()
+    assert max(r["step"] for r in _rows(run)) == 4
+

@@ -155,19 +155,37 @@ def latest(run_dir: Path) -> Path | None:
     return ckpts[-1][1] if ckpts else None
 
 
+class OtherModel(ValueError):
+    """Intact checkpoint bytes that do not fit this model (another pair's student)."""
+
+
+def _mismatch(ex: BaseException) -> str:
+    """``Error(s) in loading state_dict ...`` -> how many tensors differ, and the first one."""
+    lines = [ln.strip() for ln in str(ex).splitlines() if ln.strip()]
+    details = lines[1:] or lines or [type(ex).__name__]
+    return f"{details[0][:200]}" + (f" (and {len(details) - 1} more)" if len(details) > 1 else "")
+
+
 def load(path: Path, model, optimizer, scheduler) -> dict[str, Any]:
-    """Restore weights, optimizer, scheduler and RNG; return the JSON loop state."""
+    """Restore weights, optimizer, scheduler and RNG; return the JSON loop state. Bytes that
+    fail their checksum raise ValueError; intact bytes of another model raise ``OtherModel``."""
     from safetensors.torch import load_model
 
     problem = verify(path)
     if problem is not None:
         raise ValueError(problem)
-    load_model(model, str(path / "model.safetensors"), device=str(next(model.parameters()).device))
+    try:
+        load_model(model, str(path / "model.safetensors"), device=str(next(model.parameters()).device))
+    except RuntimeError as ex:  # missing, unexpected or differently shaped tensors
+        raise OtherModel(_mismatch(ex)) from None
     state = json.loads((path / "state.json").read_text())  # parse first: cheap, and fails before any change
     # weights_only: tensors and plain containers only; a tampered file cannot run code
     opt = _load_plain(path / "optimizer.pt", map_location=next(model.parameters()).device)
     rng = _load_plain(path / "rng.pt")
-    optimizer.load_state_dict(opt["optimizer"])
+    try:
+        optimizer.load_state_dict(opt["optimizer"])
+    except ValueError as ex:  # parameter groups of another size
+        raise OtherModel(_mismatch(ex)) from None
     scheduler.load_state_dict(opt["scheduler"])
     set_rng_state(rng)
     return state
@@ -234,11 +252,21 @@ class RunLock:
             entry[0].__exit__(None, None, None)
 
 
+def _stored_pair(path: Path) -> str:
+    try:
+        stored = json.loads((path / "state.json").read_text()).get("config") or {}
+        name = stored.get("model_pair.name")
+    except (OSError, ValueError, AttributeError):
+        return ""
+    return f" (model_pair={name})" if isinstance(name, str) and name else ""
+
+
 def restore(run_dir: Path, model, optimizer, scheduler, warn=print) -> tuple[int, dict[str, Any]] | None:
     """Load the newest checkpoint that loads; return (step, loop state), or None when the
-    folder holds none. One that fails (damaged bytes, another model) is renamed ``step_N.bad``
-    with a warning and the next older one is tried; if none loads, a ``ConfigError`` says so
-    (never a silent fresh start on top of a run's folder)."""
+    folder holds none. One whose bytes are damaged is renamed ``step_N.bad`` with a warning and
+    the next older one is tried; if none loads, a ``ConfigError`` says so (never a silent fresh
+    start on top of a run's folder). Intact bytes of another model (``trainer.extend`` with
+    another pair) are refused at once with nothing renamed: the run's own command still resumes."""
     root = checkpoint_root(run_dir)
     files.sweep_tmp(root)  # leftovers of a write that failed (a full disk) or was killed: the caller holds the lock
     found = list_checkpoints(run_dir)
@@ -254,6 +282,11 @@ def restore(run_dir: Path, model, optimizer, scheduler, warn=print) -> tuple[int
     for _, path in reversed(found):
         try:
             state = load(path, model, optimizer, scheduler)
+        except OtherModel as ex:
+            raise ConfigError(
+                f"hydra.run.dir: checkpoint {path} holds another model than this run's student ({ex}); nothing was "
+                f"set aside; allowed: the model pair it was trained with{_stored_pair(path)}, or a new hydra.run.dir"
+            ) from None
         except Exception as ex:
             reason = first_line(ex, 200)
             first_error = first_error or f"{path}: {reason}"
