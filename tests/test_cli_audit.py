@@ -28,3 +28,49 @@ def test_cfg_shows_a_valid_config(monkeypatch, capsys):
     code, out, err = run_cli(["--cfg", "job", "divergence=jsd", "divergence.beta=0.9"], monkeypatch, capsys)
     assert code == 0, err
     assert "beta: 0.9" in out
+
+
+def _compose(*overrides: str):
+    from hydra import compose, initialize_config_dir
+
+    import opd_exp.cli.train  # noqa: F401  (sweeps/ on the search path)
+    from opd_exp.cli.compose import to_train_config
+    from opd_exp.config.folders import CONF_DIR
+
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return to_train_config(compose("train", overrides=["logger=none", *overrides]))
+
+
+def test_variant_needs_no_plus_alone_in_a_sweep_and_after_an_experiment():
+    cfg = _compose("variant=jsd_0.9")
+    assert (cfg.divergence.name.value, cfg.divergence.beta) == ("jsd", 0.9)
+    cfg = _compose("sweep=divergence", "variant=skl")
+    assert cfg.divergence.name.value == "skl"
+    assert _compose("sweep=divergence").divergence.name.value == "rkl"  # the sweep's own default variant
+    cfg = _compose("experiment=opd_gsm8k_jsd", "variant=jsd_0.1")  # the variant's beta wins
+    assert (cfg.divergence.name.value, cfg.divergence.beta) == ("jsd", 0.1)
+    assert _compose().divergence.name.value == "fkl"  # no variant: the defaults
+
+
+def test_plus_variant_is_one_line_naming_the_fix(monkeypatch, capsys):
+    code, _out, err = run_cli(["--cfg", "job", "+variant=jsd_0.5"], monkeypatch, capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [
+        "opd-train: error: +variant=jsd_0.5: variant is already in the defaults list (conf/train.yaml); allowed: variant=jsd_0.5 "
+        "without '+' on the command line (in a config file's defaults: `override /variant: jsd_0.5`)"
+    ]
+
+
+def test_an_ad_hoc_multirun_names_its_w_and_b_runs_from_the_swept_overrides():
+    from pathlib import Path
+
+    from opd_exp.sinks import tracking
+
+    overrides = ["variant=jsd_0.5", "seed=1", "trainer.max_steps=100"]
+    job = tracking.JobInfo(
+        overrides=overrides, multirun=True, sweep_dir="multirun/2025-01-01/12-00-00", swept=frozenset({"variant", "seed"})
+    )
+    name = tracking.run_name(None, Path("multirun/2025-01-01/12-00-00/3"), job)
+    assert name == "variant=jsd_0.5,seed=1-" + tracking.settings_hash(["trainer.max_steps=100"])
+    # a sweep file's readable folder names are kept
+    assert tracking.run_name(None, Path("multirun/divergence/embedded/3_jsd_0.5_seed1"), job).startswith("3_jsd_0.5_seed1-")

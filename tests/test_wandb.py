@@ -90,7 +90,7 @@ def test_group_tells_sweeps_with_other_settings_apart():
     n100 = tracking.run_name(None, Path("multirun/divergence/embedded/0_rkl_seed0"), short)
     n2500 = tracking.run_name(None, Path("multirun/divergence/embedded/0_rkl_seed0"), long_)
     assert n100.startswith("0_rkl_seed0-") and n100 != n2500 and n100.endswith(g100.rsplit("/", 1)[1])
-    assert tracking.run_name(None, Path("multirun/2025-01-01/12-00-00/3"), adhoc).startswith("12-00-00_3-")
+    assert tracking.run_name(None, Path("multirun/2025-01-01/12-00-00/3"), adhoc).startswith("divergence=rkl-")  # what it sweeps
     assert tracking.run_name("given", Path("x"), short) == "given"
 
 

@@ -29,6 +29,14 @@ def one_line(ex: BaseException) -> str:
             f"{m['group']}={m['name']}: the file {m['group']}/{m['name']}.yaml sets its keys under '{m['key']}.' (its first line "
             f"is not `# @package _global_`); allowed: a first line `# @package _global_` (as in conf/experiment/*.yaml)"
         )
+    # `+variant=x` where conf/train.yaml already lists the group (as null)
+    m = re.search(r"Multiple values for (?P<g>[\w/.-]+)\. To override a value use 'override (?P=g): (?P<o>[^']+)'", text)
+    if m:
+        g, o = m["g"], m["o"]
+        return (
+            f"+{g}={o}: {g} is already in the defaults list (conf/train.yaml); allowed: {g}={o} without '+' on the command "
+            f"line (in a config file's defaults: `override /{g}: {o}`)"
+        )
     if isinstance(ex, MissingMandatoryValue) or "has missing mandatory value" in text:
         key = getattr(ex, "full_key", None) or text.rsplit(":", 1)[-1].strip()
         return f"{key}: has no value (removed with `~{key}`?); allowed: a value, or an option of the {key} group (e.g. `{key}=<option>`)"

@@ -16,7 +16,8 @@ Never imports models or the trainer. What it decides for one job:
   divergence it ran (``divergence=jsd``, ``divergence.beta=0.5``) so runs of a sweep that
   picks divergences through another key still carry them. ``opd_exp.analysis.load_wandb``
   reads ``key=value`` tags back as overrides.
-- **name**: ``name`` if set, else in a multirun the job's folder name plus the group's hash.
+- **name**: ``name`` if set, else in a multirun the job's folder name plus the group's hash
+  (an ad-hoc multirun's bare job number is replaced by the job's swept overrides).
 - **id**: kept in ``<run folder>/wandb_id.txt``: running again in the same folder (a resume)
   continues the same W&B run.
 - **where**: ``<run folder>/wandb/``.
@@ -236,9 +237,12 @@ def run_name(name: str | None, run_dir: Path, job: JobInfo, overrides: Iterable[
         return name
     overrides = list(job.overrides if overrides is None else overrides)
     label = run_dir.name
-    if label.isdigit() and job.sweep_dir:  # an ad-hoc multirun: multirun/<date>/<time>/<n>
+    swept = [o.lstrip("+~") for o in overrides if _key(o) in job.swept and "=" in o]
+    if label.isdigit() and swept:  # an ad-hoc multirun's bare job number: what the job sweeps
+        label = ",".join(swept)
+    elif label.isdigit() and job.sweep_dir:  # multirun/<date>/<time>/<n>
         label = f"{Path(job.sweep_dir).name}_{label}"
-    return f"{label}-{settings_hash(constant_overrides(overrides, job))}"
+    return f"{label[:110]}-{settings_hash(constant_overrides(overrides, job))}"
 
 
 def logged_config(config: Mapping[str, Any], variant: str, pair_info: Mapping[str, Any] | None = None) -> dict[str, Any]:
