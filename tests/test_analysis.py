@@ -185,7 +185,7 @@ def test_plot_curves_draws_a_line_and_band_per_variant(tmp_path):
         "eval accuracy",
         "eval JSD",
         "eval KL(S‖T)",
-        "eval: own divergence",
+        "eval: own divergence (log scale)",  # rkl's from 1 to 0.1, jsd's from 0.5 to 0.01
     ]
     assert [len(ax.lines) for ax in axes] == [2, 2, 3, 2, 2, 2]  # eval accuracy: + the teacher line
     assert [len(ax.collections) for ax in axes] == [2] * 6  # one seed band per variant
@@ -255,3 +255,54 @@ def test_load_wandb_reads_tags_config_and_history():
     assert runs[1].series == {"eval/accuracy": [(0, 0.2), (1, 0.7)]}
     row = summary_table(runs, ["eval/accuracy"])[0]
     assert row["eval/accuracy"][0] == pytest.approx(0.6)
+
+
+def _grid(root):
+    """3 divergences x 2 estimators, 1 seed: the own divergences on scales 10x apart."""
+    from helpers.synthetic_runs import metrics_rows
+
+    folder = root / "grid"
+    scale = {"rkl": ("eval/kl_reverse", 1.0), "fkl": ("eval/kl_forward", 0.1), "jsd": ("eval/jsd", 0.01)}
+    job = 0
+    for div, (own_key, s) in scale.items():
+        for est in ("full", "topk"):
+            rows = metrics_rows(0.5, 0.02, 0)
+            for r in rows:
+                if own_key in r:
+                    r[own_key] = s * (2.0 if r["step"] == 0 else 1.0)
+            run = write_run(folder / str(job), [f"divergence={div}", f"estimator={est}", "seed=0"], rows)
+            (run / ".hydra" / "config.yaml").write_text(
+                f"seed: 0\ntrainer: {{max_steps: 4}}\ndivergence: {{name: {div}}}\nestimator: {{name: {est}}}\n"
+            )
+            job += 1
+    return folder
+
+
+def test_plot_reads_as_a_figure(tmp_path):
+    pytest.importorskip("matplotlib")
+    runs = load_runs(_grid(tmp_path))
+    fig = plot_curves(runs, ["jsd/mean", "eval/accuracy", "eval/tvd", "own", "kl/forward", "eval/kl_forward"], smooth=False)
+    axes = [ax for ax in fig.get_axes() if ax.get_visible() and ax.axison]
+    # eval/tvd was logged by no job: no empty panel for it; five panels, the legend in the sixth cell
+    assert [ax.get_title() for ax in axes] == [
+        "train JSD",
+        "eval accuracy",
+        "eval: own divergence (log scale)",
+        "train KL(T‖S)",
+        "eval KL(T‖S)",
+    ]
+    assert [ax.get_ylabel() for ax in axes] == [
+        "JSD (nats)", "accuracy (share of problems)", "own divergence (nats)", "KL(T‖S) (nats)", "KL(T‖S) (nats)"
+    ]  # fmt: skip
+    legend_cell = [ax for ax in fig.get_axes() if ax.get_visible() and not ax.axison]
+    assert len(legend_cell) == 1 and not fig.legends
+    texts = [t.get_text() for t in legend_cell[0].get_legend().get_texts()]
+    assert texts[:2] == ["rkl, full (1 seed)", "rkl, topk (1 seed)"] and texts[-1] == "teacher (0.90)"
+    # colour = divergence, line style = estimator
+    lines = axes[0].lines
+    assert [ln.get_color() for ln in lines] == ["C0", "C0", "C1", "C1", "C2", "C2"]
+    assert [ln.get_linestyle() for ln in lines] == ["-", "--"] * 3
+    # the own panel holds rkl, fkl and jsd at 1, 0.1, 0.01: one log axis
+    own = axes[2]
+    assert own.get_yscale() == "log" and axes[4].get_yscale() == "linear"
+    assert [ln.get_ydata()[-1] for ln in own.lines] == pytest.approx([1.0, 1.0, 0.1, 0.1, 0.01, 0.01])

@@ -59,6 +59,16 @@ LABELS = {
 }
 
 
+def y_label(metric: str) -> str:
+    """A panel's y-axis label: what is measured and in which unit (divergences in nats)."""
+    name = metric_label(metric).removeprefix("eval: ").removeprefix("eval ").removeprefix("train ")
+    if metric.endswith(("accuracy", "precision", "coverage", "pass@k")):
+        return f"{name} (share of problems)"
+    if metric == OWN or metric.startswith(("eval/", "jsd/", "kl/", "exact/")) or metric.endswith("entropy"):
+        return f"{name} (nats)"
+    return name
+
+
 def metric_label(metric: str) -> str:
     """The reader's name of a metric (``eval/kl_reverse`` -> ``eval KL(S‖T)``)."""
     if metric in LABELS:
@@ -88,6 +98,7 @@ class Run:
     max_steps: int | None = None  # trainer.max_steps of its last session (from .hydra/config.yaml)
     running: bool = False  # a process holds the run folder's lock now
     truncated: int = 0  # metrics.jsonl is longer than MAX_METRICS_BYTES: the bytes read (its start)
+    estimator: str | None = None  # the estimator's name (from the run's config)
 
     def metrics(self) -> list[str]:
         return sorted(self.series)
@@ -307,6 +318,10 @@ def read_run(run_dir: str | Path) -> Run:
         divergence = str(div["name"])
     summary = _read_json(run_dir / "summary.json") if (run_dir / "summary.json").is_file() else {}
     trainer = config.get("trainer") if isinstance(config, dict) else None
+    est = config.get("estimator") if isinstance(config, dict) else None
+    estimator = overrides.get("estimator.name", overrides.get("estimator"))
+    if isinstance(est, dict) and est.get("name"):
+        estimator = str(est["name"])
     max_steps = trainer.get("max_steps") if isinstance(trainer, dict) else None
     return Run(
         path=run_dir,
@@ -319,6 +334,7 @@ def read_run(run_dir: str | Path) -> Run:
         max_steps=max_steps if isinstance(max_steps, int) and not isinstance(max_steps, bool) else None,
         running=_lock_held(run_dir),
         truncated=truncated,
+        estimator=estimator,
     )
 
 
@@ -631,6 +647,35 @@ def short_label(variant: str) -> str:
 
 
 _LINESTYLES = ("-", "--", ":", "-.")
+_ESTIMATOR_KEYS = ("estimator", "estimator.name")
+
+
+def _without_estimator(variant: str) -> str:
+    head, sep, rest = variant.rpartition(": ")
+    kept = ",".join(item for item in (rest if sep else variant).split(",") if item.partition("=")[0] not in _ESTIMATOR_KEYS)
+    return f"{head}{sep}{kept}" if sep else kept
+
+
+def line_styles(groups: dict[str, list[Run]]) -> dict[str, tuple[str, str]]:
+    """{variant: (colour, line style)}. When the variants differ in the estimator, colour is
+    everything else (the divergence and its parameters) and line style the estimator, so a
+    divergence x estimator grid reads at a glance; otherwise each variant has its own colour
+    (and a style of its own too, so overlapping lines stay apart in print)."""
+    estimator = {v: ",".join(sorted({r.estimator or "?" for r in rs})) for v, rs in groups.items()}
+    rest = {v: _without_estimator(v) for v in groups}
+    estimators = list(dict.fromkeys(estimator.values()))
+    others = list(dict.fromkeys(rest.values()))
+    grid = 1 < len(estimators) <= len(_LINESTYLES) and len({(rest[v], estimator[v]) for v in groups}) == len(groups)
+    if grid:
+        return {v: (f"C{others.index(rest[v]) % 10}", _LINESTYLES[estimators.index(estimator[v])]) for v in groups}
+    return {v: (f"C{i % 10}", _LINESTYLES[i % len(_LINESTYLES)]) for i, v in enumerate(groups)}
+
+
+def _spans_decades(ax) -> bool:
+    """The panel's lines are all positive and span more than a factor of 10 (one linear axis
+    would flatten the smaller ones: rkl, fkl and jsd on one panel)."""
+    ys = [y for line in ax.lines for y in line.get_ydata() if math.isfinite(y)]
+    return bool(ys) and min(ys) > 0 and max(ys) / min(ys) > 10
 
 
 def ema(values: Sequence[float], span: float) -> list[float]:
@@ -678,30 +723,32 @@ def plot_curves(
     """
     if band not in ("range", "std"):
         raise AnalysisError(f"band {band!r} is unknown; allowed: range, std")
+    groups = group_by_variant(runs)
+    spare = None  # an empty grid cell: the legend goes there
     if axes is None:
         from matplotlib.figure import Figure
 
+        # a panel no job logged would be an empty frame: left out
+        metrics = [m for m in metrics if any(curve(rs, m)["step"] for rs in groups.values())] or list(metrics)[:1]
         cols = min(ncols, len(metrics))
         rows = math.ceil(len(metrics) / cols)
         fig = Figure(figsize=(4.6 * cols, 3.4 * rows + 0.9), layout="constrained")
         axes = list(fig.subplots(rows, cols, squeeze=False).flat)
         for ax in axes[len(metrics) :]:
             ax.set_visible(False)
+        spare = axes[len(metrics)] if len(axes) > len(metrics) else None
     else:
         axes = list(getattr(axes, "flat", axes))
         fig = axes[0].figure
     log_metrics = {m for m in metrics if not m.endswith("accuracy")} if logy is True else set(logy or ())
-    groups = group_by_variant(runs)
+    styles = line_styles(groups)
     for ax, metric in zip(axes, metrics):
         spans: list[float] = []
-        for i, (variant, rs) in enumerate(groups.items()):
-            if metric == OWN:
-                c = curve(rs, OWN)
-            else:
-                c = curve(rs, metric)
+        for variant, rs in groups.items():
+            c = curve(rs, metric)
             if not c["step"]:
                 continue
-            color, style = f"C{i % 10}", _LINESTYLES[i % len(_LINESTYLES)]  # overlapping lines stay apart (and in print)
+            color, style = styles[variant]
             mean, lo, hi = c["mean"], c["min"], c["max"]
             if band == "std":
                 lo = [m - s for m, s in zip(c["mean"], c["std"])]
@@ -731,7 +778,11 @@ def plot_curves(
         span = max(spans, default=1.0)
         ax.set_title(metric_label(metric) + (f" (EMA, span {span:.0f} steps)" if span >= 1.5 else ""))
         ax.set_xlabel("training step")
-        if metric in log_metrics:
+        ax.set_ylabel(y_label(metric))
+        if metric == OWN and metric not in log_metrics and _spans_decades(ax):
+            ax.set_yscale("log")  # each variant's own divergence has its own scale
+            ax.set_title(ax.get_title() + " (log scale)")
+        elif metric in log_metrics:
             ys = [y for line in ax.lines for y in line.get_ydata()]
             if metric.endswith("accuracy") or not ys or min(ys) <= 0:  # e.g. an unbiased KL estimate below 0
                 ax.set_title(
@@ -747,7 +798,11 @@ def plot_curves(
     if handles:
         from matplotlib.layout_engine import ConstrainedLayoutEngine
 
-        if isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine):
+        if spare is not None:  # the grid's empty cell holds the legend
+            spare.set_visible(True)
+            spare.axis("off")
+            spare.legend(list(handles.values()), list(handles), loc="center", fontsize="small", frameon=False)
+        elif isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine):
             fig.legend(
                 list(handles.values()),
                 list(handles),
