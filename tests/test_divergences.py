@@ -250,6 +250,27 @@ def test_fp32_values_near_convergence_keep_their_digits(spec):
     assert err < 1e-7, f"{spec_id(spec)}: fp32 value {float(err):.1e} off float64"
 
 
+def test_fp32_tvd_gradient_takes_float64s_sign():
+    """tvd's gradient is 0.5 sign(s - t) S: at Liger's test shape (41, 401, 1271), entries where
+    S and T agree to fp32 rounding must not take the other sign than float64 (which moves the
+    gradient by S there, up to ~1e-2). Independent pairs, close pairs, and close pairs whose
+    logits differ by an offset."""
+    d = get_divergence("tvd")
+    g = torch.Generator().manual_seed(0)
+    B, T, vocab = 41, 401, 1271
+    zs = torch.randn(B, T, vocab, generator=g, dtype=torch.float32)
+    zt = torch.randn(B, T, vocab, generator=g, dtype=torch.float32)
+    close = zs[:, 150:] + 1e-3 * torch.randn(B, T - 150, vocab, generator=g, dtype=torch.float32)
+    zt[:, 150:] = close + 20.0 * (torch.arange(T - 150) % 2)[:, None]
+    grads = []
+    for z in (zs, zs.double()):
+        z = z.clone().requires_grad_(True)
+        d.full(z, zt.to(z.dtype), temperature=1.0).sum().backward()
+        grads.append(z.grad)
+    err = (grads[0].double() - grads[1]).abs().max()
+    assert err < 1e-7, f"fp32 tvd gradient {float(err):.1e} off float64"
+
+
 @pytest.mark.parametrize("spec", [("rkl", {}), ("jsd", {"beta": 0.5}), ("fkl", {}), ("tvd", {})], ids=spec_id)
 def test_chunked_equals_unchunked_in_value_and_gradient(spec):
     d = get_divergence(spec[0], **spec[1])

@@ -45,6 +45,9 @@ class Divergence(ABC):
     exact_cost: ClassVar[bool] = True
     # constructor parameters, as config keys under ``divergence.`` (the one table of them)
     param_names: ClassVar[tuple[str, ...]] = ()
+    # pointwise_grad jumps where s = t (tvd's sign): the full path's backward decides entries
+    # within fp32 rounding of s = t in float64
+    grad_jumps_at_equality: ClassVar[bool] = False
 
     def params(self) -> dict[str, float]:
         return {}
@@ -383,6 +386,7 @@ class TotalVariation(Divergence):
     """Total variation 0.5 * sum_v |S_v - T_v|."""
 
     name = "tvd"
+    grad_jumps_at_equality = True
 
     def pointwise(self, s, t):
         return 0.5 * (s.exp() - t.exp()).abs()

@@ -16,11 +16,15 @@ normaliser (~1e-6 at V=32000), and a value formed from them is off by that much 
 evaluates D as sum_v S_v f(T_v / S_v) with f(1) = f'(1) = 0 (``Divergence.rows_value_close``),
 every term second order in delta: fp32 values within ~1e-9 of float64 there. Rows where the
 ratio cannot be formed (an entry with zero mass on one side: filtered or -inf logits) take
-``rows_value(s, t)``. The backward is unchanged (gradients carry no such cancellation).
+``rows_value(s, t)``. The backward needs no such care (gradients carry no cancellation), except
+where d phi / d s jumps at s = t (tvd: sign(s - t), ``Divergence.grad_jumps_at_equality``): the
+entries whose s - t is within fp32 rounding of 0 take float64's side (``_settle_ties``), so no
+sign is decided by rounding.
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -93,6 +97,25 @@ def chunk_value(div: Divergence, S: torch.Tensor, ratio: tuple[torch.Tensor, tor
     return out
 
 
+def _settle_ties(s: torch.Tensor, t: torch.Tensor, student: torch.Tensor, teacher: torch.Tensor, tau: float) -> None:
+    """Where s - t is within the rounding of the two log-softmaxes of 0, set t (in place) to the
+    float next to s on the side float64 puts it (or to s where float64 has them equal), so a
+    gradient that jumps at s = t takes float64's side. log_softmax rounds s_v by a few ulps of
+    max(|s_v|, log V); 8 ulps of |s_v| + |t_v| + 2 log V bound the error of s_v - t_v. float64
+    needs only the affected rows' normalisers (and a subtraction)."""
+    slack = 8 * torch.finfo(s.dtype).eps
+    near = (s - t).abs_() < (s.abs() + t.abs()).add_(2 * math.log(s.shape[-1])).mul_(slack)  # never at -inf
+    rows = near.any(-1).nonzero().squeeze(-1)
+    if rows.numel() == 0:
+        return
+    zs, zt = _tempered(student[rows], tau, torch.float64), _tempered(teacher[rows], tau, torch.float64)
+    c = torch.logsumexp(zs, -1, keepdim=True) - torch.logsumexp(zt, -1, keepdim=True)
+    side = zs.sub_(zt).sub_(c).sign_().to(s.dtype)  # sign(s - t) in float64
+    del zs, zt
+    at = s[rows]
+    t[rows] = torch.where(near[rows], torch.nextafter(at, at - side), t[rows])  # s - t of float64's sign
+
+
 class _FullDivergence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, student, teacher, rows, div, tau, chunk):
@@ -122,6 +145,8 @@ class _FullDivergence(torch.autograd.Function):
             idx = rows[start : start + chunk]
             s = _log_probs(student.index_select(0, idx), tau, dtype)
             t = _log_probs(teacher.index_select(0, idx), tau, dtype)
+            if div.grad_jumps_at_equality and dtype != torch.float64:
+                _settle_ties(s, t, student.index_select(0, idx), teacher.index_select(0, idx), tau)
             g, S = div.rows_grad(s, t)
             del s, t
             g.addcmul_(S, g.sum(-1, keepdim=True), value=-1.0)  # G - S * sum(G)
