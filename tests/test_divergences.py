@@ -350,6 +350,22 @@ def test_renormalised_topk_is_biased():
 # --- parameters and errors --------------------------------------------------
 
 
+def test_jsd_legacy_docstring_states_what_was_measured():
+    """The share of random pairs on which jsd_legacy's expected update points away from -grad JSD,
+    recomputed here, is the figure its docstring quotes (not "always")."""
+    from opd_exp.divergences import JensenShannonLegacy
+    from opd_exp.divergences.check import cost_cosine, random_pair
+
+    doc = " ".join(JensenShannonLegacy.__doc__.split())
+    for beta in (0.1, 0.5, 0.9):
+        legacy, jsd = get_divergence("jsd_legacy", beta=beta), get_divergence("jsd", beta=beta)
+        share = []
+        for regime in ("far", "near"):
+            cos = [cost_cosine(legacy.token_cost, jsd, *random_pair(seed, vocab=8, regime=regime)) for seed in range(1000)]
+            share.append(sum(c < 0 for c in cos) / len(cos))
+        assert f"beta={beta}: {share[0]:.0%} / {share[1]:.0%}" in doc, (beta, share)
+
+
 def test_check_divergence_catches_a_cost_kept_wrong_on_purpose():
     from opd_exp.divergences import DivergenceCheckError
 

@@ -284,10 +284,14 @@ class JensenShannonLegacy(JensenShannon):
 
     Its sampled cost is the JSD *value* beta*(t - log m) + (1-beta)*(s - log m),
     m = beta*e^t + (1-beta)*e^s, used as the REINFORCE/PPO cost. Under y ~ S its expected
-    update does not follow -grad JSD_beta (its cosine with it is negative on random pairs),
-    so training with it mostly drives the student away from the teacher. Everything else
-    (the exact value, the full-vocabulary gradient, ``token_value``) is the correct JSD, so
-    the logged ``jsd/mean`` and eval divergences measure what it does. Only
+    update does not follow -grad JSD_beta. Measured exactly (the expectation enumerated) on the
+    random pairs of ``check.random_pair`` (seeds 0-999, vocabulary 8), its cosine with
+    -grad JSD_beta is negative on (independent pairs / close pairs, teacher = student + 0.2 noise)
+    beta=0.1: 49% / 51%, beta=0.5: 89% / 58%, beta=0.9: 97% / 64%; at vocabulary 64 on 84-100%
+    of independent pairs and 48-75% of close ones. So training with it mostly drives the student
+    away from the teacher, more so the larger beta and the farther apart; not on every step.
+    Everything else (the exact value, the full-vocabulary gradient, ``token_value``) is the
+    correct JSD, so the logged ``jsd/mean`` and eval divergences measure what it does. Only
     ``estimator=sampled`` uses the cost, and the config refuses any other estimator.
     """
 
