@@ -199,3 +199,32 @@ def test_every_build_is_announced_with_its_reason(tmp_path, monkeypatch, capsys)
     (line,) = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("opd-exp:")]
     assert line.startswith("opd-exp: building the embedded teacher once (3 SFT steps")
     assert "its recipe differs from the cached one (model.sft_steps: 5 -> 3)" in line
+
+
+def test_ctrl_c_during_opd_prepare_is_one_line_and_caches_nothing_half_built(tmp_path, monkeypatch, capsys):
+    import opd_exp.pairs.embedded.models as models_mod
+
+    monkeypatch.setenv("OPD_EXP_CACHE", str(tmp_path))
+
+    def interrupted_save(model, tokenizer, folder):  # Ctrl-C while the teacher's files are written
+        (Path(folder) / "model.safetensors").write_bytes(b"half")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(models_mod, "save_model", interrupted_save)
+    args = ["--quiet", "model_pair.embedded.n_sft=16", "model_pair.embedded.n_check=2", "model_pair.embedded.threads=1"]
+    args += [f"model_pair.embedded.teacher.{k}={v}" for k, v in dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1,
+                                                                        intermediate_size=32, sft_steps=1, batch_size=4).items()]  # fmt: skip
+    try:
+        code = prepare_main(args)
+    except KeyboardInterrupt:
+        code = "traceback"
+    err = capsys.readouterr().err
+    assert code == 130
+    assert err.splitlines()[-1] + "\n" == (
+        f"opd-prepare: interrupted (Ctrl-C): the entry being built was discarded, nothing half-built is in the cache {tmp_path}; "
+        "run the same command again to build it (exit code 130)\n"
+    )
+    assert "Traceback" not in err and err.count("\n") == 2  # the build's announcement, then the one line
+    left = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock"))
+    assert [n for n in left if "teacher" in n or n.startswith(".tmp")] == []  # only finished entries (the tokenizer)
+    assert all(cache.check_entry(tmp_path / n) is None for n in left)

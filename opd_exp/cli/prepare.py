@@ -17,6 +17,7 @@ from opd_exp.pairs.embedded import cache
 from opd_exp.pairs.embedded.prepare import prepare_embedded
 from opd_exp.pairs.load import SMOLLM2_PREFIX
 from opd_exp.runtime.errors import ConfigError, first_line
+from opd_exp.runtime.guards import EXIT_INTERRUPTED
 
 
 def _group_option(group: str, option: str) -> dict:
@@ -72,6 +73,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # every entry is built in a temp folder renamed into place at the end (cache.get_or_build):
+        # an interrupted build leaves no entry behind, only the finished ones
+        print(
+            f"opd-prepare: interrupted (Ctrl-C): the entry being built was discarded, nothing half-built is in the cache "
+            f"{cache.cache_root()}; run the same command again to build it (exit code {EXIT_INTERRUPTED})",
+            file=sys.stderr,
+            flush=True,
+        )
+        return EXIT_INTERRUPTED
     print(f"cache: {cache.cache_root()}  ({time.perf_counter() - started:.1f} s)")
     print(f"tokenizer: {prepared.tokenizer}")
     for role in ("teacher", "student"):
