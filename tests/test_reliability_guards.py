@@ -247,3 +247,35 @@ def test_preemption_under_submitit_saves_then_hands_over_to_its_handler(local_pa
         signal.signal(signal.SIGUSR2, previous)
     assert code == -1 and calls == [(signal.SIGUSR2, [3])], (code, calls, err[-2000:])
     assert "opd-train: preempted: SIGUSR2 received: checkpoint at step 3 saved to " in err
+
+
+def test_a_run_whose_every_step_is_skipped_is_not_a_success(tiny_pair, tmp_path, monkeypatch):
+    cfg = small_config(trainer={"max_steps": 3, "max_bad_steps": 5, "save_every": 1})  # never 5 in a row
+    t = Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask())
+    _nan_teacher_from(1, monkeypatch, [t])
+    t.warn = lambda line: None
+    with pytest.raises(Diverged) as err:
+        t.run()
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(
+        "every one of the run's 3 steps was non-finite and skipped (last: teacher log-probs are not finite at step 3 (1 NaN of "
+    )
+    assert msg.endswith("nothing was trained, no checkpoint written (last checkpoint: none); allowed: a teacher with finite "
+                        "log-probs, a lower trainer.lr, or trainer.grad_clip > 0")  # fmt: skip
+    assert checkpoint.list_checkpoints(tmp_path) == [] and not (tmp_path / "summary.json").exists()
+
+
+def test_a_nonfinite_teacher_at_the_eval_before_training_stops_at_once(tiny_pair, tmp_path, monkeypatch):
+    real = scoring_mod.teacher_logits
+    monkeypatch.setattr(scoring_mod, "teacher_logits", lambda *a, **kw: real(*a, **kw) * float("nan"))
+    t = Trainer(small_config(trainer={"max_steps": 3, "max_bad_steps": 5}), tmp_path, pair=tiny_pair, task=AddTask())
+    steps = []
+    monkeypatch.setattr(t, "train_step", lambda: steps.append(1))
+    with pytest.raises(Diverged) as err:
+        t.run()
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("the evaluation before training (step 0) is not finite (eval/")
+    assert "=nan" in msg and msg.endswith(
+        "stopped before training, no checkpoint written; allowed: a teacher (and student) with finite log-probs"
+    )
+    assert steps == [] and read_metrics(tmp_path) == []

@@ -118,3 +118,45 @@ def test_extend_with_another_model_is_refused_and_renames_nothing(tiny_pair, tmp
     Trainer(_cfg(), run, pair=tiny_pair, task=AddTask()).run()
     assert max(r["step"] for r in _rows(run)) == 4
 
+
+def test_extend_to_fewer_steps_than_reached_is_refused(tiny_pair, tmp_path):
+    from opd_exp.runtime.fingerprint import check_run_folder
+
+    Trainer(_cfg(), tmp_path, pair=tiny_pair, task=AddTask()).run(stop_after=2)
+    want = (
+        f"trainer.max_steps=1 is below step 2, which the run in {tmp_path} has reached (nothing would be trained); "
+        f"allowed: trainer.max_steps >= 2 (more steps with trainer.extend=true), or a new hydra.run.dir"
+    )
+    for extend in (True, False):
+        with pytest.raises(ConfigError) as ex:  # before anything starts (opd-train)...
+            check_run_folder(tmp_path, _cfg(max_steps=1, extend=extend))
+        assert str(ex.value) == want
+    with pytest.raises(ConfigError) as ex:  # ...and where the trainer loads the checkpoint
+        Trainer(_cfg(max_steps=1, extend=True), tmp_path, pair=tiny_pair, task=AddTask()).run()
+    assert str(ex.value) == want
+    assert [h["session"] for h in read_history(tmp_path)] == ["start"]
+    check_run_folder(tmp_path, _cfg(max_steps=2, extend=True))  # the step reached: allowed (nothing left to do)
+
+
+def test_extend_onto_another_eval_set_measures_it_again(tiny_pair, tmp_path, monkeypatch, capsys):
+    from opd_exp.training.evaluate import Evaluator
+
+    Trainer(_cfg(eval_size=4), tmp_path, pair=tiny_pair, task=AddTask()).run(stop_after=2)
+    measured = []
+    real = Evaluator.accuracy
+    monkeypatch.setattr(Evaluator, "accuracy", lambda self, engine: measured.append(len(self.problems)) or real(self, engine))
+    capsys.readouterr()
+    t = Trainer(_cfg(max_steps=4, eval_size=8, extend=True), tmp_path, pair=tiny_pair, task=AddTask())
+    summary = t.run()
+    err = capsys.readouterr().err
+    assert (
+        "opd-train: the extension changes what the eval measures (trainer.eval_size): the student is evaluated on the new eval "
+        "set at step 2 and the teacher's accuracy measured on it again; the summary's 'before' values are that evaluation "
+        "(metrics.jsonl rows up to step 2 are on the old set)"
+    ) in err
+    assert measured == [8]  # the teacher on the 8 new problems, once
+    rows = _rows(tmp_path)
+    again = [r for r in rows if r["step"] == 2 and "eval/teacher_accuracy" in r]
+    assert len(again) == 1 and again[0]["eval/teacher_accuracy"] == summary["eval/teacher_accuracy"]
+    assert summary["eval/kl_reverse_before"] == again[0]["eval/kl_reverse"] != rows[0]["eval/kl_reverse"]
+    assert read_history(tmp_path)[-1]["eval_set_changed"] == ["trainer.eval_size"]

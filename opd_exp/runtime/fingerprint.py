@@ -55,6 +55,9 @@ IGNORED = frozenset(
 # trainer adds it to the fingerprint, so a resume against another teacher is refused there;
 # the check before the models load (``check_run_folder``) cannot know it yet.
 SERVED_IDENTITY = "teacher.server."
+# Settings that decide what the eval measures (which problems, how they are decoded, the
+# teacher and its tokenizer): an extension that changes one is evaluated afresh on the new set.
+EVAL_SET = ("task.", "model_pair.", "teacher.", "trainer.eval_size", "rollout.max_new_tokens", "rollout.max_prompt_tokens")
 
 
 def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -121,22 +124,40 @@ def refusal(run_dir: Path, stored: dict[str, Any], current: dict[str, Any]) -> s
     )
 
 
+def eval_set_changes(diff: dict[str, tuple[Any, Any]]) -> list[str]:
+    """The keys of ``diff`` that change what the eval measures (``EVAL_SET``)."""
+    return [k for k in diff if k.startswith(EVAL_SET)]
+
+
+def below_step(run_dir: Path, step: int, max_steps: int) -> str | None:
+    """The one-line refusal of ``trainer.max_steps`` below the step a run has reached, or None."""
+    if step <= max_steps:
+        return None
+    return (
+        f"trainer.max_steps={max_steps} is below step {step}, which the run in {run_dir} has reached (nothing would be "
+        f"trained); allowed: trainer.max_steps >= {step} (more steps with trainer.extend=true), or a new hydra.run.dir"
+    )
+
+
 def check_run_folder(run_dir: Path, cfg: Any) -> None:
-    """Before anything starts (W&B, models): refuse a resume with other settings unless
-    ``trainer.extend`` (reads the newest checkpoint's loop state only; the trainer checks the
-    checkpoint it actually loads again)."""
+    """Before anything starts (W&B, models): refuse ``trainer.max_steps`` below the run's step,
+    and a resume with other settings unless ``trainer.extend`` (reads the newest checkpoint's
+    loop state only; the trainer checks the checkpoint it actually loads again)."""
     from opd_exp.runtime import checkpoint
     from opd_exp.runtime.errors import ConfigError
 
-    if cfg.trainer.extend:
-        return
     path = checkpoint.latest(run_dir)
     if path is None:
         return
     try:
-        stored = json.loads((path / "state.json").read_text()).get("config")
-    except (OSError, ValueError):
+        state = json.loads((path / "state.json").read_text())
+        stored, step = state.get("config"), int(state.get("step", 0))
+    except (OSError, ValueError, TypeError, AttributeError):
         return  # damaged: restore sets it aside and says so
+    if (line := below_step(Path(run_dir), step, cfg.trainer.max_steps)) is not None:
+        raise ConfigError(line)
+    if cfg.trainer.extend:
+        return
     if isinstance(stored, dict):
         stored = {k: v for k, v in stored.items() if not k.startswith(SERVED_IDENTITY)}
     line = refusal(Path(run_dir), stored, config_fingerprint(cfg)) if isinstance(stored, dict) else None

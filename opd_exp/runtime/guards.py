@@ -144,6 +144,14 @@ class StepGuard:
             f"trainer.grad_clip > 0, a teacher with finite log-probs, or a larger trainer.max_bad_steps={self.max_bad_steps}"
         )
 
+    def all_skipped_message(self, step: int, latest_checkpoint: Any) -> str:
+        """Every step of the run was skipped (fewer than ``max_bad_steps`` of them): nothing trained."""
+        return (
+            f"every one of the run's {step} steps was non-finite and skipped (last: {self.last_problem}); nothing was trained, "
+            f"no checkpoint written (last checkpoint: {latest_checkpoint or 'none'}); allowed: a teacher with finite log-probs, "
+            f"a lower trainer.lr, or trainer.grad_clip > 0"
+        )
+
     def state_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
             "skipped_steps": self.skipped_steps,

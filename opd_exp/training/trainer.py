@@ -493,10 +493,14 @@ class Trainer:
         if found is None:
             return False
         step, loop = found
+        if (line := fingerprint.below_step(self.run_dir, step, self.cfg.trainer.max_steps)) is not None:
+            raise ConfigError(line)
         self._check_settings(step, loop.pop("config", None))
         loop.pop("config_hash", None)
         self._lr_segments += loop.pop("lr_segments", [])
         self.state.load_state_dict(step, loop)
+        if self._session.get("eval_set_changed"):
+            self.state.teacher_accuracy = None  # measured again on the new eval set (``_run``)
         where = checkpoint.checkpoint_root(self.run_dir) / f"step_{step:06d}"
         self.warn(f"opd-train: resuming from step {step} (checkpoint {where})")
         return True
@@ -524,6 +528,13 @@ class Trainer:
             f"the learning rate continues from {group['lr']:.3g} to the end of the {tc.schedule.value} schedule at step {tc.max_steps}; "
             f"recorded in {self.run_dir / fingerprint.HISTORY}"
         )
+        if changed := fingerprint.eval_set_changes(diff):  # never one summary over two eval sets
+            self._session["eval_set_changed"] = changed
+            self.warn(
+                f"opd-train: the extension changes what the eval measures ({', '.join(changed)}): the student is evaluated "
+                f"on the new eval set at step {step} and the teacher's accuracy measured on it again; the summary's "
+                f"'before' values are that evaluation (metrics.jsonl rows up to step {step} are on the old set)"
+            )
 
     # -- the run --------------------------------------------------------------
     def _sinks(self, resume_step: int | None) -> Sink:
@@ -570,9 +581,9 @@ class Trainer:
         self._progress = progress = Progress(tc.max_steps, initial=self.step, enabled=tc.progress)
         t_start = time.perf_counter() - state.elapsed_s
         try:
-            if not resumed:
-                state.eval_before = state.eval_last = self.evaluate()
-                sink.log(state.eval_before, step=0)
+            if not resumed or self._session.get("eval_set_changed"):  # a fresh run, or an extension onto a new eval set
+                state.eval_before = state.eval_last = self._first_evaluation()
+                sink.log(state.eval_before, step=self.step)
             done_now = 0
             # A signal only sets a flag; it is acted on here, between steps, so a checkpoint is
             # never taken of a half-done step.
@@ -592,6 +603,8 @@ class Trainer:
                 state.elapsed_s = time.perf_counter() - t_start
                 if state.guard.should_stop:
                     raise Diverged(state.guard.stop_message(self.step, checkpoint.latest(self.run_dir)))
+                if last and state.guard.skipped_steps >= self.step:  # nothing was ever trained: no ordinary summary
+                    raise Diverged(state.guard.all_skipped_message(self.step, checkpoint.latest(self.run_dir)))
                 # No periodic save inside a run of bad steps: keep the checkpoints from before it.
                 if (tc.save_every and self.step % tc.save_every == 0 and not state.guard.bad_in_a_row) or last:
                     self.save()
@@ -610,6 +623,20 @@ class Trainer:
             sink.close()
             self.teacher_scorer.close()
         return summary
+
+    def _first_evaluation(self) -> dict[str, float]:
+        """The evaluation before training (or on an extension's new eval set). A non-finite
+        value there (a teacher with NaN/inf log-probs) stops the run at once (``Diverged``, exit
+        3): every training step would be skipped."""
+        out = self.evaluate()
+        bad = [f"{k}={v}" for k, v in out.items() if isinstance(v, float) and not math.isfinite(v)]
+        if not bad:
+            return out
+        raise Diverged(
+            f"the evaluation before training (step {self.step}) is not finite ({', '.join(bad)}): the teacher's or the student's "
+            f"log-probs are not finite, so every step would be skipped; stopped before training, no checkpoint written; "
+            f"allowed: a teacher (and student) with finite log-probs"
+        )
 
     def _teacher_lost(self, ex: TeacherUnavailable, cursor: dict) -> ConfigError:
         """The teacher server was lost mid-step: the step never updated the weights; the data
