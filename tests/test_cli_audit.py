@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from helpers.compose import compose_config as _compose
 from helpers.reliability import run_cli
 
 
@@ -28,17 +29,6 @@ def test_cfg_shows_a_valid_config(monkeypatch, capsys):
     code, out, err = run_cli(["--cfg", "job", "divergence=jsd", "divergence.beta=0.9"], monkeypatch, capsys)
     assert code == 0, err
     assert "beta: 0.9" in out
-
-
-def _compose(*overrides: str):
-    from hydra import compose, initialize_config_dir
-
-    import opd_exp.cli.train  # noqa: F401  (sweeps/ on the search path)
-    from opd_exp.cli.compose import to_train_config
-    from opd_exp.config.folders import CONF_DIR
-
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return to_train_config(compose("train", overrides=["logger=none", *overrides]))
 
 
 def test_variant_needs_no_plus_alone_in_a_sweep_and_after_an_experiment():

@@ -231,7 +231,7 @@ def test_offline_run_holds_the_metrics_config_and_resumes(local_pair, tmp_path):
     assert run["config"]["divergence"] == {"name": "jsd", "beta": 0.9, "temperature": 1.0}  # no alpha, no clip
     assert run["config"]["variant"] == "divergence=jsd,divergence.beta=0.9"
     assert run["config"]["pair"] == {"teacher": {"path": str(local_pair / "teacher")}, "student": {"path": str(local_pair / "student")}}
-    assert set(run["tags"]) == {"divergence=jsd", "divergence.beta=0.9"}  # not trainer.*, task.*, model_pair.*
+    assert set(run["tags"]) == {"divergence=jsd", "divergence.beta=0.9", "model_pair=local"}  # not trainer.*, task.*, model_pair.*
     summary, last_train = run["summary"], rows[-1]
     for key in ("jsd/mean", "kl/reverse", "kl/forward", "loss"):
         assert summary[key] == pytest.approx(last_train[key], rel=1e-6), key
@@ -306,7 +306,9 @@ def test_multirun_gives_one_run_per_job_and_marks_the_failed_one(local_pair, tmp
     assert [r["exit_code"] for r in runs] == [0, 1, 0]
     assert (jobs[2] / "summary.json").is_file()  # the job after the failure ran to the end
     for r, est in zip(runs, ("sampled", "topk", "full")):
-        assert sorted(r["tags"]) == sorted([f"estimator={est}", "divergence=jsd", "divergence.beta=0.5"])  # swept + divergence; no seed
+        assert sorted(r["tags"]) == sorted(
+            [f"estimator={est}", "divergence=jsd", "divergence.beta=0.5", "model_pair=local"]
+        )  # swept + divergence; no seed
         assert r["config"]["estimator"]["name"] == est and r["config"]["variant"] == f"estimator={est}"
         assert "alpha" not in r["config"]["divergence"]
     assert "wandb: " not in done.stdout + done.stderr  # a multirun's jobs keep W&B's banners quiet

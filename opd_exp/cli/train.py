@@ -22,7 +22,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from opd_exp.cli.compose import build_inputs, check_choices, check_shown_config, to_train_config, validated
+from opd_exp.cli.compose import build_inputs, check_choices, check_device, check_shown_config, to_train_config, validated
 from opd_exp.cli.errors import argv_problem, io_error, one_line, yaml_line
 from opd_exp.cli.jobs import FAILED_JOBS, JOBS_STARTED, failed_summary
 from opd_exp.cli.jobs import job_failed as _job_failed
@@ -90,15 +90,17 @@ def _job(cfg: DictConfig, hc, run_dir: Path) -> float:
 def _train(typed: TrainConfig, run_dir: Path) -> float:
     sinks = []
     try:
+        from opd_exp.training.engines import require_extras  # heavy imports only after the config is known good
+        from opd_exp.training.trainer import Trainer
+
+        # the device and the extras first: a start that cannot run opens no W&B run
+        check_device(typed.trainer.device, int(os.environ.get("LOCAL_RANK", "0")))
+        require_extras(typed)
         # start W&B before the models load: a failure stops at once; under torchrun, rank 0 only
         if typed.logger.name.value == "wandb" and os.environ.get("RANK", "0") == "0":
             from opd_exp.sinks.tracking import WandbSink
 
             sinks.append(WandbSink.from_config(typed, run_dir))
-        from opd_exp.training.engines import require_extras  # heavy imports only after the config is known good
-        from opd_exp.training.trainer import Trainer
-
-        require_extras(typed)
         trainer = Trainer(typed, run_dir, sinks=sinks, **build_inputs(typed))
         summary = trainer.run()
     except Preempted as ex:  # the trainer closed its sinks before raising: the W&B run is not failed

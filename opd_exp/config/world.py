@@ -22,6 +22,18 @@ def add_task_name(name: str) -> None:
         TASKS.append(name)
 
 
+# The TaskConfig keys each built-in task reads besides COMMON_TASK_KEYS (W&B logs only these; a
+# registered task gets every key).
+COMMON_TASK_KEYS = ("name", "seed", "n_train", "n_eval", "eval_seed")
+_ARITHMETIC_KEYS = ("min_operands", "max_operands", "max_digits", "ops")
+TASK_KEYS: dict[str, tuple[str, ...]] = {
+    "arithmetic": _ARITHMETIC_KEYS,
+    "chat_arithmetic": _ARITHMETIC_KEYS,
+    "multimodal": ("min_answers", "max_answers"),
+    "gsm8k": ("path", "hub_config", "train_split", "eval_split", "instruction"),
+}
+
+
 def _check(ok: bool, key: str, value: object, allowed: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: got {value!r}; allowed: {allowed}")

@@ -3,8 +3,10 @@
 Never imports models or the trainer. What it decides for one job:
 
 - **config**: the resolved, validated config as a plain dict (enums by value), with anything
-  that looks like a secret redacted (``scrub``); divergence parameters the chosen divergence
-  does not take left out (``logged_config``); ``variant``: the label of what the job varies.
+  that looks like a secret redacted (``scrub``); only the chosen options' keys (no other
+  pair's recipe or other task's knobs: ``chosen_options``), divergence parameters the chosen
+  divergence does not take left out (``logged_config``); ``variant``: the label of what the
+  job varies.
 - **group**: in a multirun ``<sweep>/<model pair>/<hash>``: the sweep is ``logger.group``
   (each file in ``sweeps/`` sets it) or else the multirun folder, and the hash is of the
   overrides every job shares (``trainer.max_steps=100``), so two runs of a sweep with other
@@ -13,7 +15,8 @@ Never imports models or the trainer. What it decides for one job:
 - **tags**: ``logger.tags``, then the overrides that define the variant (in a multirun the
   swept ones, read from the sweep file and from ``multirun.yaml``; never the seed,
   ``hydra.*``, ``logger.*`` or bookkeeping such as ``trainer.eval_every``), then the
-  divergence it ran (``divergence=jsd``, ``divergence.beta=0.5``) so runs of a sweep that
+  model pair (``model_pair=smollm2``: the option chosen, or its name), then the divergence it
+  ran (``divergence=jsd``, ``divergence.beta=0.5``) so runs of a sweep that
   picks divergences through another key still carry them. ``opd_exp.analysis.load_wandb``
   reads ``key=value`` tags back as overrides.
 - **name**: ``name`` if set, else in a multirun the job's folder name plus the group's hash
@@ -70,6 +73,7 @@ class JobInfo:
     sweep: str | None = None  # the `sweep=` choice, if any
     job_num: int | None = None
     swept: frozenset[str] = frozenset()  # override keys the multirun sweeps (sweep file + comma lists)
+    choices: dict[str, Any] = field(default_factory=dict)  # the option chosen in each config group
 
 
 def hydra_job() -> JobInfo:
@@ -96,6 +100,7 @@ def hydra_job() -> JobInfo:
         sweep=hc.runtime.choices.get("sweep"),
         job_num=hc.job.get("num") if multirun else None,
         swept=frozenset(swept),
+        choices={k: v for k, v in hc.runtime.choices.items() if isinstance(v, str)},
     )
 
 
@@ -188,11 +193,15 @@ def _override_tag(override: str) -> str | None:
     return o
 
 
-def run_tags(user_tags: Iterable[str], overrides: Iterable[str], divergence: Mapping[str, Any] | None = None) -> list[str]:
-    """logger.tags + the variant's overrides (``variant_overrides``) + the divergence it ran;
-    each <= 64 chars, no repeats."""
+def run_tags(
+    user_tags: Iterable[str], overrides: Iterable[str], divergence: Mapping[str, Any] | None = None, pair: str | None = None
+) -> list[str]:
+    """logger.tags + the variant's overrides (``variant_overrides``) + the model pair (``model_pair=smollm2``:
+    a CPU stand-in is never tagged like the real pair) + the divergence it ran; each <= 64 chars, no repeats."""
     tags = list(user_tags)
     tags += [t for t in map(_override_tag, overrides) if t]
+    if pair:
+        tags.append(f"model_pair={pair}")
     if divergence:
         name = divergence.get("name")
         tags.append(f"divergence={name}")
@@ -245,10 +254,52 @@ def run_name(name: str | None, run_dir: Path, job: JobInfo, overrides: Iterable[
     return f"{label[:110]}-{settings_hash(constant_overrides(overrides, job))}"
 
 
-def logged_config(config: Mapping[str, Any], variant: str, pair_info: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The config W&B gets: parameters the chosen divergence does not take left out (an rkl
-    run has no ``divergence.beta``), the ``variant`` label, and the prepared pair's record."""
+def _only(group: Any, drop: Iterable[str]) -> Any:
+    return {k: v for k, v in group.items() if k not in set(drop)} if isinstance(group, Mapping) else group
+
+
+def chosen_options(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config without the knobs of options the run did not choose: another pair's recipe
+    (``model_pair.embedded`` of a SmolLM2 run), another task's (``task.min_answers`` of an
+    arithmetic run), a served teacher's connection of an in-process one, LoRA's, vLLM's and the
+    loss forms' keys where they are off."""
+    from opd_exp.config.world import COMMON_TASK_KEYS, TASK_KEYS
+
     out = dict(config)
+    pair = out.get("model_pair")
+    if isinstance(pair, Mapping):
+        models = [str(pair.get("student", "")), str(pair.get("teacher", ""))]
+        out["model_pair"] = _only(pair, [p for p in ("embedded", "smollm2") if not any(m.startswith(f"{p}:") for m in models)])
+    task = out.get("task")
+    if isinstance(task, Mapping) and task.get("name") in TASK_KEYS:
+        keep = set(COMMON_TASK_KEYS) | set(TASK_KEYS[task["name"]])
+        out["task"] = {k: v for k, v in task.items() if k in keep}
+    teacher = out.get("teacher")
+    if isinstance(teacher, Mapping) and teacher.get("name") != "served":
+        out["teacher"] = {"name": teacher.get("name")}
+    est = out.get("estimator")
+    if isinstance(est, Mapping) and est.get("name") not in ("topk", "topk_renorm"):
+        out["estimator"] = _only(est, ["k"])
+    loss = out.get("loss")
+    if isinstance(loss, Mapping):
+        drop = [] if loss.get("name") == "ppo" else ["clip_eps", *(k for k in loss if k.startswith("ppo_"))]
+        drop += [] if loss.get("credit") == "sequence" else ["gamma"]
+        drop += [] if loss.get("positions") not in (None, "all") else ["position_fraction"]
+        out["loss"] = _only(loss, drop)
+    trainer = out.get("trainer")
+    if isinstance(trainer, Mapping) and not trainer.get("lora_rank"):
+        out["trainer"] = _only(trainer, [k for k in trainer if k.startswith("lora_")])
+    rollout = out.get("rollout")
+    if isinstance(rollout, Mapping) and rollout.get("engine") != "vllm":
+        out["rollout"] = _only(rollout, ["vllm_gpu_memory_utilization"])
+    return out
+
+
+def logged_config(config: Mapping[str, Any], variant: str, pair_info: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The config W&B gets: only the chosen options' keys (``chosen_options``), parameters the
+    chosen divergence does not take left out (an rkl run has no ``divergence.beta``), the
+    ``variant`` label, and the prepared pair's record."""
+    out = chosen_options(config)
     div = out.get("divergence")
     if isinstance(div, Mapping) and div.get("name") in DIVERGENCES:
         keep = set(parameter_names(div["name"])) | {"name", "temperature"}
@@ -403,7 +454,7 @@ class WandbSink(Sink):
             entity=entity,
             group=redact_label(run_group(group, job, pair, overrides)),
             job_type=job_type,
-            tags=[redact_label(t) for t in run_tags(tags, variant, config.get("divergence"))],
+            tags=[redact_label(t) for t in run_tags(tags, variant, config.get("divergence"), job.choices.get("model_pair") or pair)],
             mode=mode,
             on_error=on_error,
             name=redact_label(run_name(name, run_dir, job, overrides)),
