@@ -25,12 +25,24 @@ sign is decided by rounding.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from .catalog import Divergence
+
+class Divergence(Protocol):
+    """What the chunked exact path needs of a divergence (``catalog.Divergence`` has it): the
+    per-row value, its close-pair form, the per-row gradient, and whether d phi / d s jumps at
+    s = t. A protocol, so this module does not import the catalog that imports it."""
+
+    grad_jumps_at_equality: bool
+
+    def rows_value(self, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor: ...
+
+    def rows_value_close(self, S: torch.Tensor, delta: torch.Tensor, u: torch.Tensor) -> torch.Tensor: ...
+
+    def rows_grad(self, s: torch.Tensor, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
 
 # ~32 MiB of fp32 per [chunk, V] buffer; a handful of them live at once.
 _CHUNK_ELEMENTS = 1 << 23
