@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 import opd_exp.cli.train as T
 
 LAUNCHERS = {
-    "local": ("hydra_plugins.hydra_joblib_launcher", "JoblibLauncher", {"n_jobs": 4, "backend": "loky"}),
+    "local": ("hydra_plugins.opd_exp_dry.local_launcher", "LocalLauncher", {"n_jobs": 4}),
     "slurm": ("hydra_plugins.hydra_submitit_launcher", "SlurmLauncher", {"gpus_per_node": 1, "max_num_timeout": 3}),
 }
 
@@ -47,7 +47,16 @@ def _dry(tmp_path, *extra):
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "opd_exp.cli.train", "-m", "sweep=jsd_beta", "hydra/launcher=dry", f"hydra.sweep.dir={tmp_path / 'sweep'}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "opd_exp.cli.train",
+        "-m",
+        "sweep=jsd_beta",
+        "hydra/launcher=dry",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        *extra,
+    ]
     return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "offline"}, timeout=300)
 
 
@@ -62,3 +71,43 @@ def test_dry_launcher_validates_every_job_and_writes_nothing(tmp_path):
     assert all(": error: trainer.lr=-1" in line for line in lines), bad.stdout
     assert bad.stderr.strip().splitlines()[-1].startswith(f"opd-train: error: {len(jobs)} of {len(jobs)} jobs of the multirun failed")
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no sweep folder, no multirun.yaml
+
+
+def test_local_launcher_a_killed_job_fails_alone_with_one_line(tmp_path):
+    """SIGKILL to one job's process (what the OOM killer does): one line names the job, the other jobs finish."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    sweep = tmp_path / "sweep"
+    env = {**os.environ, "WANDB_MODE": "offline", "OPD_EXP_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
+    args = ["divergence=rkl,fkl,jsd", "trainer.max_steps=2", "trainer.eval_size=2", "trainer.progress=false", "logger=none"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "opd_exp.cli.train",
+        "-m",
+        "hydra/launcher=local",
+        "hydra.launcher.n_jobs=2",
+        *args,
+        f"hydra.sweep.dir={sweep}",
+    ]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    pid_file = sweep / "1" / ".opd-train.pid"
+    deadline = time.monotonic() + 300
+    while not (pid_file.is_file() and pid_file.read_text().strip()) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(int(pid_file.read_text()), signal.SIGKILL)  # job #1, as it starts
+    _, err = proc.communicate(timeout=600)
+    assert "Traceback" not in err and "TerminatedWorkerError" not in err, err[-3000:]
+    line = (
+        f"opd-train: error: job #1 ({sweep / '1'}): its process was killed by SIGKILL (the OOM killer sends it when memory "
+        "runs out); run the same multirun again to resume it"
+    )
+    assert line in err.splitlines()
+    assert err.strip().splitlines()[-1].startswith(f"opd-train: error: 1 of 3 jobs of the multirun failed: #1 ({sweep / '1'}): its process")
+    assert proc.returncode == 128 + signal.SIGKILL
+    assert (sweep / "0" / "summary.json").is_file() and (sweep / "2" / "summary.json").is_file()  # the others finished
+    assert not (sweep / "1" / "summary.json").exists()
