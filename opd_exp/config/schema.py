@@ -232,6 +232,11 @@ class LossConfig:
     gamma: float = 1.0
     # PPO ratio clip epsilon
     clip_eps: float = 0.2
+    # PPO passes over each rollout (loss=ppo, estimator=sampled); with ppo_mini_batches=1 and
+    # ppo_epochs=1 there is one update per rollout, the ratio is 1 and ppo equals reinforce
+    ppo_epochs: int = 1
+    # optimizer steps per PPO pass, each on a disjoint share of the rollout's rows (docs/training.md)
+    ppo_mini_batches: int = 1
     # which response positions count in the loss: all | first | last (ceil(position_fraction *
     # length) tokens of each response); metrics and the normaliser still cover every token
     positions: Positions = Positions.all
@@ -242,12 +247,24 @@ class LossConfig:
         _check(_finite(self.kl_coef) and self.kl_coef > 0, "loss.kl_coef", self.kl_coef, "> 0")
         _check(_finite(self.gamma) and 0.0 <= self.gamma <= 1.0, "loss.gamma", self.gamma, "0 <= gamma <= 1")
         _check(_finite(self.clip_eps) and 0.0 < self.clip_eps < 1.0, "loss.clip_eps", self.clip_eps, "0 < clip_eps < 1")
+        _check(isinstance(self.ppo_epochs, int) and self.ppo_epochs >= 1, "loss.ppo_epochs", self.ppo_epochs, "integer >= 1")
+        _check(
+            isinstance(self.ppo_mini_batches, int) and self.ppo_mini_batches >= 1,
+            "loss.ppo_mini_batches",
+            self.ppo_mini_batches,
+            "integer >= 1",
+        )
         _check(
             _finite(self.position_fraction) and 0.0 < self.position_fraction <= 1.0,
             "loss.position_fraction",
             self.position_fraction,
             "0 < position_fraction <= 1",
         )
+
+    @property
+    def ppo_updates(self) -> int:
+        """Optimizer steps per rollout."""
+        return self.ppo_epochs * self.ppo_mini_batches
 
 
 @dataclass
@@ -531,6 +548,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         )
     if loss is LossName.direct and cfg.loss.credit is Credit.sequence:
         _fail("loss.credit", cfg.loss.credit.value, "token with loss=direct (sequence credit needs ppo or reinforce)")
+    validate_ppo(cfg)
     if cfg.divergence.name is DivergenceName.jsd_legacy:
         if est is not EstimatorName.sampled:
             _fail("estimator.name", est.value, "sampled with divergence=jsd_legacy (only its sampled cost differs from jsd)")
@@ -578,6 +596,37 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if tc.lora_rank:
             _fail("rollout.engine", "vllm", "hf with trainer.lora_rank > 0 (adapter weights are not synced into vLLM)")
     return cfg
+
+
+def validate_ppo(cfg: TrainConfig) -> None:
+    """Several PPO updates per rollout (loss.ppo_epochs, loss.ppo_mini_batches): where they apply."""
+    lo = cfg.loss
+    if lo.ppo_updates == 1:
+        return
+    key, value = ("loss.ppo_epochs", lo.ppo_epochs) if lo.ppo_epochs > 1 else ("loss.ppo_mini_batches", lo.ppo_mini_batches)
+    est, tc, ro = cfg.estimator.name, cfg.trainer, cfg.rollout
+    if lo.name is not LossName.ppo or est is not EstimatorName.sampled:
+        _fail(
+            key, value, f"1 with loss={lo.name.value} estimator={est.value} (several updates per rollout need loss=ppo estimator=sampled)"
+        )
+    if ro.on_policy_fraction < 1.0:
+        _fail(
+            key,
+            value,
+            f"1 with rollout.on_policy_fraction={ro.on_policy_fraction!r} (teacher-sampled steps use the exact full-vocabulary "
+            "loss, which has no behaviour policy to clip against); allowed: rollout.on_policy_fraction=1.0",
+        )
+    if tc.fused_lm_head is FusedLmHead.on:
+        _fail(key, value, "1 with trainer.fused_lm_head=on (the fused path makes one update per rollout); allowed: auto or off")
+    if tc.parallel is not Parallel.none:
+        _fail(key, value, f"1 with trainer.parallel={tc.parallel.value} (several updates per rollout are single-process for now)")
+    rows = tc.batch_size * ro.n_samples
+    _check(
+        lo.ppo_mini_batches <= rows,
+        "loss.ppo_mini_batches",
+        lo.ppo_mini_batches,
+        f"at most the rollout's {rows} rows (trainer.batch_size x rollout.n_samples)",
+    )
 
 
 def validate_teacher(cfg: TrainConfig) -> None:

@@ -62,7 +62,9 @@ def use_fused_lm_head(cfg: TrainConfig, student, teacher, vocab_size: int) -> bo
         if reason:
             raise ConfigError(f"trainer.fused_lm_head='on' is not allowed; allowed: auto or off here ({reason})")
         return True
-    return reason is None and tc.parallel.value == "none" and not tc.lora_rank and vocab_size >= AUTO_MIN_VOCAB
+    # several PPO updates per rollout run on the materialised path (the fused one makes one update)
+    one_update = cfg.loss.ppo_updates == 1
+    return reason is None and tc.parallel.value == "none" and not tc.lora_rank and one_update and vocab_size >= AUTO_MIN_VOCAB
 
 
 def pair_record(pair) -> dict[str, Any]:

@@ -82,17 +82,30 @@ def position_mask(mask: torch.Tensor, positions: str, fraction: float) -> torch.
     return m & keep
 
 
+def ppo_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """PPO's clipped per-token loss -min(A r, A clip(r, 1-eps, 1+eps)), and where the clip is
+    active (the clipped term is the smaller: its gradient is 0 there)."""
+    unclipped, clipped = advantages * ratio, advantages * ratio.clamp(1 - eps, 1 + eps)
+    return -torch.minimum(unclipped, clipped), clipped.detach() < unclipped.detach()
+
+
 @dataclass
 class Output:
     loss: torch.Tensor  # differentiable scalar (already divided by the normalizer)
     sums: dict[str, float]  # metric name -> sum over response tokens
     counts: dict[str, float] = field(default_factory=dict)  # metric name -> a count (not divided)
     maxes: dict[str, float] = field(default_factory=dict)  # metric name -> a maximum over tokens
+    # student-sampled batches, per position [N, R] (detached): the advantages, the positions the
+    # loss counts, the log-probs log S(y) of this forward (PPO's behaviour log-probs)
+    advantages: torch.Tensor | None = None
+    counted: torch.Tensor | None = None
+    logprobs: torch.Tensor | None = None
 
 
 class Tally(dict):
     """A step's metrics over its micro-batches: per-token sums (the dict itself), counts
-    (``rollout/outside_filter_tokens``) and maxima (``rollout/logprob_gap_max``)."""
+    (``rollout/outside_filter_tokens``; also values already final, never divided: ``ppo/*``)
+    and maxima (``rollout/logprob_gap_max``)."""
 
     def __init__(self, sums=(), counts=None, maxes=None):
         super().__init__(sums)
@@ -277,7 +290,9 @@ class Objective:
             if engine_logprobs is not None and on_policy:  # the engine's log-probs of its samples vs ours
                 gap_sum, gap_max = logprob_gap(engine_logprobs, s0, m)
                 sums["rollout/logprob_gap"], maxes["rollout/logprob_gap_max"] = gap_sum, gap_max
-        return Output(loss=loss, sums=sums, counts=counts, maxes=maxes)
+        if not on_policy:
+            return Output(loss=loss, sums=sums, counts=counts, maxes=maxes)
+        return Output(loss=loss, sums=sums, counts=counts, maxes=maxes, advantages=advantages.detach(), counted=counted, logprobs=s0)
 
     def value(self, d, s, t, student_z, teacher_z, m) -> torch.Tensor:
         """Unbiased one-sample estimate of D_t: phi(y)/S(y), plus the filtered mass under top-k/top-p."""
@@ -300,11 +315,10 @@ class Objective:
                 returns = cost
             advantages = -kl_coef * returns
             if form is LossName.ppo:
-                # One optimizer step per rollout, so logp_old is the sampling policy's log-prob
-                # under the same transform: the ratio is 1 in value, its gradient grad log S.
-                ratio = torch.exp(s - s0)
-                eps = cfg.loss.clip_eps
-                per_token = -torch.minimum(advantages * ratio, advantages * ratio.clamp(1 - eps, 1 + eps))
+                # The first (or only) update of a rollout: the weights are the sampling policy's, so
+                # logp_old is this forward's own log-prob: the ratio is 1 in value, its gradient
+                # grad log S (later updates: training/ppo.py, against the stored logp_old).
+                per_token, _ = ppo_surrogate(torch.exp(s - s0), advantages, cfg.loss.clip_eps)
             else:
                 per_token = -advantages * s
             clipped = self.div.clipped(s0, t) if self.report_clip else None

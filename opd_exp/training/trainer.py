@@ -49,6 +49,7 @@ from opd_exp.training.engines import build_student_engine, in_process_engine, pa
 from opd_exp.training.evaluate import Evaluator
 from opd_exp.training.memory import check_step_memory
 from opd_exp.training.objective import TOKEN_METRICS, Objective, Tally, metric_beta
+from opd_exp.training.ppo import PpoUpdates
 from opd_exp.training.rollout import HfRollout, checkpoint_sampling_settings
 from opd_exp.training.scoring import dropout_off, student_logits
 from opd_exp.training.state import DataCursor, TrainState
@@ -152,6 +153,19 @@ class Trainer:
         self.train_module = dist_util.wrap_student(self.student, self.dist, self.device)
         self.params = [p for p in self.student.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
+        # loss.ppo_epochs / ppo_mini_batches: several clipped updates per rollout, each an optimizer step
+        self.ppo = None
+        if cfg.loss.ppo_updates > 1:
+            self.ppo = PpoUpdates(
+                cfg,
+                self.objective,
+                student=self.student,
+                student_logits=lambda b: self._student_logits(self.train_module, b),
+                teacher_scorer=self.teacher_scorer,
+                optimizer=self.optimizer,
+                params=self.params,
+                warn=self.warn,
+            )
         self._lr_segments: list[dict[str, Any]] = []  # schedule continuations made by trainer.extend
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.state = TrainState(cursor=DataCursor(len(self.train_problems), cfg.seed), guard=StepGuard(tc.max_bad_steps))
@@ -401,15 +415,18 @@ class Trainer:
             self._warn_once("empty", f"step {step} has no response tokens: no update (counted in guard/empty_steps)")
         else:
             try:
-                loss, tally = self._reduce(*self.accumulate(batch, n_global))
-                max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
-                grad_norm = dist_util.grad_norm_value(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+                if self.ppo is not None:  # its own optimizer steps; problem: none of them applied
+                    loss, tally, grad_norm, problem = self.ppo.step(batch, n_global, step)
+                else:
+                    loss, tally = self._reduce(*self.accumulate(batch, n_global))
+                    max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+                    grad_norm = dist_util.grad_norm_value(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
             except NonFinite as ex:
                 loss, grad_norm, problem = float("nan"), float("nan"), str(ex)
                 tally = Tally({k: float("nan") for k in self.token_metrics})
             if problem is None and not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 problem = f"loss={loss}, grad/norm={grad_norm}"
-        if problem is None and n_global:  # a non-finite loss or gradient never reaches the weights
+        if problem is None and n_global and self.ppo is None:  # a non-finite loss or gradient never reaches the weights
             self.optimizer.step()
         guard.record(step, problem)
         if problem is not None:

@@ -1,0 +1,285 @@
+"""PPO with several updates per rollout (loss.ppo_epochs, loss.ppo_mini_batches): the surrogate's
+gradient at ratio 1 is REINFORCE's (and the exact divergence gradient), the ratio moves after the
+first update and the clip acts, the mini-batch's token count normalises its gradient, and the
+one-update default is unchanged (the golden runs pin it)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from helpers import golden
+from helpers.tiny import AddTask, small_config
+from opd_exp.divergences import DIVERGENCES, get_divergence
+from opd_exp.runtime.errors import ConfigError
+from opd_exp.training.objective import Objective, ppo_surrogate
+from opd_exp.training.ppo import select_rows
+from opd_exp.training.trainer import Trainer
+
+PPO = dict(estimator={"name": "sampled"}, loss={"name": "ppo"}, divergence={"name": "rkl"})
+EXACT = [n for n in DIVERGENCES if get_divergence(n).exact_cost]  # what is registered, minus the wrong-on-purpose
+
+
+def groups(**changes):
+    out = {g: dict(v) for g, v in PPO.items()}
+    out.setdefault("rollout", {})["engine"] = "hf"
+    for g, fields in changes.items():
+        out.setdefault(g, {}).update(fields)
+    return out
+
+
+@pytest.fixture(scope="module")
+def pair_root(tmp_path_factory):
+    return golden.build_pair(tmp_path_factory.mktemp("ppo_pair"))
+
+
+def trainer64(pair_root, run_dir, **changes) -> Trainer:
+    """A float64 trainer on the golden pair (call inside ``golden.float64()``)."""
+    return Trainer(small_config(**groups(**changes)), run_dir, pair=golden.load_pair(pair_root), task=AddTask())
+
+
+# -- config -------------------------------------------------------------------
+
+
+def test_defaults_are_one_update_per_rollout():
+    lo = small_config(**PPO).loss
+    assert (lo.ppo_epochs, lo.ppo_mini_batches, lo.ppo_updates) == (1, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "changes, line",
+    [
+        (
+            {"loss": {"ppo_epochs": 0}},
+            "loss.ppo_epochs=0 is not allowed; allowed: integer >= 1",
+        ),
+        (
+            {"loss": {"ppo_mini_batches": 0}},
+            "loss.ppo_mini_batches=0 is not allowed; allowed: integer >= 1",
+        ),
+        (
+            {"loss": {"name": "reinforce", "ppo_epochs": 2}},
+            "loss.ppo_epochs=2 is not allowed; allowed: 1 with loss=reinforce estimator=sampled (several updates per rollout "
+            "need loss=ppo estimator=sampled)",
+        ),
+        (
+            {"loss": {"ppo_mini_batches": 2}, "rollout": {"on_policy_fraction": 0.5}},
+            "loss.ppo_mini_batches=2 is not allowed; allowed: 1 with rollout.on_policy_fraction=0.5 (teacher-sampled steps use "
+            "the exact full-vocabulary loss, which has no behaviour policy to clip against); allowed: rollout.on_policy_fraction=1.0",
+        ),
+        (
+            {"loss": {"ppo_epochs": 2}, "trainer": {"fused_lm_head": "on"}},
+            "loss.ppo_epochs=2 is not allowed; allowed: 1 with trainer.fused_lm_head=on (the fused path makes one update per "
+            "rollout); allowed: auto or off",
+        ),
+        (
+            {"loss": {"ppo_mini_batches": 5}},
+            "loss.ppo_mini_batches=5 is not allowed; allowed: at most the rollout's 4 rows (trainer.batch_size x rollout.n_samples)",
+        ),
+    ],
+)
+def test_refused_in_one_line(changes, line):
+    from opd_exp.config import schema as S
+
+    with pytest.raises(ConfigError) as ex:
+        g = groups(**changes)
+        if "fused_lm_head" in g.get("trainer", {}):
+            g["trainer"]["fused_lm_head"] = S.FusedLmHead(g["trainer"]["fused_lm_head"])
+        small_config(**g)
+    assert str(ex.value) == line
+
+
+def test_the_fused_head_on_auto_keeps_the_materialised_path_for_several_updates():
+    from types import SimpleNamespace
+
+    from opd_exp.training.engines import use_fused_lm_head
+
+    def cfg(updates):
+        return SimpleNamespace(
+            trainer=SimpleNamespace(fused_lm_head=SimpleNamespace(value="auto"), parallel=SimpleNamespace(value="none"), lora_rank=0),
+            loss=SimpleNamespace(ppo_updates=updates),
+        )
+
+    # a model the fused path supports, at a vocabulary where auto would pick it
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    m = AutoModelForCausalLM.from_config(
+        Qwen2Config(vocab_size=40000, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
+    )
+    assert use_fused_lm_head(cfg(1), m, m, 40000) is True
+    assert use_fused_lm_head(cfg(4), m, m, 40000) is False
+
+
+# -- the surrogate, by enumeration ---------------------------------------------
+
+
+@pytest.mark.parametrize("name", EXACT)
+def test_surrogate_gradient_at_ratio_one_is_reinforce_and_the_exact_gradient(name):
+    """Tabular student over V tokens, A = -c(y) the exact cost: grad of E_{y~S_old}[PPO surrogate]
+    at S = S_old equals grad of E[-A log S(y)] (REINFORCE) and grad D(S, T), in float64."""
+    V = 7
+    g = torch.Generator().manual_seed(3)
+    z = torch.randn(V, generator=g, dtype=torch.float64).requires_grad_(True)
+    zt = torch.randn(V, generator=g, dtype=torch.float64)
+    d = get_divergence(name)
+    s, t = torch.log_softmax(z, -1), torch.log_softmax(zt, -1)
+    s0 = s.detach()
+    adv = -d.token_cost(s0, t)
+    ppo = (s0.exp() * ppo_surrogate(torch.exp(s - s0), adv, 0.2)[0]).sum()
+    reinforce = (s0.exp() * (-adv * s)).sum()
+    exact = d.full(z.view(1, 1, V), zt.view(1, 1, V)).sum()
+    grads = [torch.autograd.grad(f, z, retain_graph=True)[0] for f in (ppo, reinforce, exact)]
+    assert grads[0].abs().max() > 1e-3  # not a vacuous 0 == 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-13, atol=1e-15)
+    torch.testing.assert_close(grads[0], grads[2], rtol=1e-10, atol=1e-12)
+
+
+def test_beyond_the_clip_a_token_gives_no_gradient_and_inside_it_the_importance_weighted_one():
+    """Away from S_old: E_{S_old}[surrogate] has gradient sum_y S_old(y) [clip not active] (-A r grad log S(y))."""
+    V, eps = 6, 0.2
+    g = torch.Generator().manual_seed(5)
+    z_old = torch.randn(V, generator=g, dtype=torch.float64)
+    z = (z_old + 0.6 * torch.randn(V, generator=g, dtype=torch.float64)).requires_grad_(True)
+    adv = torch.randn(V, generator=g, dtype=torch.float64)
+    s, s_old = torch.log_softmax(z, -1), torch.log_softmax(z_old, -1)
+    ratio = torch.exp(s - s_old)
+    per_token, active = ppo_surrogate(ratio, adv, eps)
+    assert 0 < int(active.sum()) < V  # some tokens clipped, some not
+    r = ratio.detach()
+    assert bool((active == (((adv > 0) & (r > 1 + eps)) | ((adv < 0) & (r < 1 - eps)))).all())
+    got = torch.autograd.grad((s_old.exp() * per_token).sum(), z, retain_graph=True)[0]
+    jac = torch.autograd.functional.jacobian(lambda x: torch.log_softmax(x, -1), z.detach())  # [V(y), V(z)]
+    want = ((s_old.exp() * (~active) * (-adv) * r).unsqueeze(-1) * jac).sum(0)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    unclipped = torch.autograd.grad((s_old.exp() * (-adv * ratio)).sum(), z)[0]
+    assert (got - unclipped).abs().max() > 1e-3  # the clip changed the gradient
+
+
+# -- the loop ------------------------------------------------------------------
+
+
+def test_one_update_per_rollout_equals_reinforce(pair_root, tmp_path):
+    """ppo_epochs=1, ppo_mini_batches=1: the ratio is 1, so ppo trains exactly as reinforce does."""
+    with golden.float64():
+        runs = {}
+        for form in ("ppo", "reinforce"):
+            t = trainer64(pair_root, tmp_path / form, loss={"name": form}, trainer={"max_steps": 2})
+            norms = [t.train_step()["grad/norm"] for _ in range(2)]
+            runs[form] = (norms, [p.detach().clone() for p in t.student.parameters()])
+    # the losses' values differ (-A r = -A vs -A log S), their gradients do not
+    assert runs["ppo"][0] == pytest.approx(runs["reinforce"][0], rel=1e-13)
+    for a, b in zip(runs["ppo"][1], runs["reinforce"][1]):
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-15)
+
+
+def test_the_ratio_moves_after_the_first_update_and_the_clip_acts(pair_root, tmp_path):
+    """Two epochs of two mini-batches at a large lr: the first update's ratio is exactly 1 (the
+    behaviour log-probs are the trainer's own), every later one sees r != 1, the clip is active
+    on some tokens, and the metrics say so. Fails if the old log-probs followed the student."""
+    with golden.float64():
+        t = trainer64(pair_root, tmp_path, loss={"ppo_epochs": 2, "ppo_mini_batches": 2}, trainer={"lr": 0.05, "max_steps": 1})
+        m = t.train_step()
+    ups = t.ppo.last_updates
+    assert len(ups) == 4
+    assert ups[0]["ratio_min"] == ups[0]["ratio_max"] == 1.0 and ups[0]["clip_frac"] == 0.0
+    for u in ups[1:]:
+        assert max(u["ratio_max"] - 1, 1 - u["ratio_min"]) > 1e-3
+    assert max(u["clip_frac"] for u in ups[1:]) > 0
+    assert m["ppo/clip_frac"] > 0 and m["ppo/approx_kl"] > 0 and m["ppo/skipped_updates"] == 0
+    assert m["ppo/ratio_min"] < 1 < m["ppo/ratio_max"]
+    assert m["ppo/ratio_min"] <= m["ppo/ratio_mean"] <= m["ppo/ratio_max"]
+    n = sum(u["tokens"] for u in ups)
+    assert m["ppo/clip_frac"] == pytest.approx(sum(u["clip_frac"] * u["tokens"] for u in ups) / n, rel=1e-12)
+
+
+def test_ppo_and_reinforce_differ_when_the_clip_acts(pair_root, tmp_path):
+    """Same rollout, three epochs: the clipped updates move the weights elsewhere than the one
+    REINFORCE update, and elsewhere than the same epochs with a wider clip (acting less)."""
+    with golden.float64():
+        out = {}
+        for name, loss in (
+            ("reinforce", {"name": "reinforce"}),
+            ("ppo", {"ppo_epochs": 3, "clip_eps": 0.1}),
+            ("wide", {"ppo_epochs": 3, "clip_eps": 0.999999}),
+        ):
+            t = trainer64(pair_root, tmp_path / name, loss=loss, trainer={"lr": 0.05, "max_steps": 1})
+            m = t.train_step()
+            out[name] = (m, torch.cat([p.detach().reshape(-1) for p in t.student.parameters()]))
+    assert out["ppo"][0]["ppo/clip_frac"] > out["wide"][0]["ppo/clip_frac"]
+    assert (out["ppo"][1] - out["reinforce"][1]).abs().max() > 1e-4
+    assert (out["ppo"][1] - out["wide"][1]).abs().max() > 1e-6
+
+
+def _recording_sgd(params, lr):
+    """SGD (linear in the gradient, unlike Adam) that keeps a copy of every gradient it applied."""
+    opt = torch.optim.SGD(params, lr=lr)
+    opt.seen = []
+    step = opt.step
+
+    def recorded(*a, **k):
+        opt.seen.append([p.grad.detach().clone() for p in params])
+        return step(*a, **k)
+
+    opt.step = recorded
+    return opt
+
+
+@pytest.mark.parametrize("micro", [0, 1])
+def test_each_update_is_normalised_by_its_mini_batch_token_count(pair_root, tmp_path, micro):
+    """The first update's gradient is REINFORCE's over the first mini-batch's rows divided by
+    that mini-batch's response-token count, whatever the micro-batch size (accumulation)."""
+    with golden.float64():
+        t = trainer64(pair_root, tmp_path, loss={"ppo_mini_batches": 2}, trainer={"micro_batch_size": micro, "max_steps": 1})
+        t.ppo.optimizer = opt = _recording_sgd(t.params, lr=0.1)
+        batch = t.sample(0)
+        first = t.ppo._order(batch.num_sequences, 1, 0)[0]
+        t.ppo.step(batch, batch.num_response_tokens, 1)
+        assert len(opt.seen) == 2
+        # REINFORCE on the same rows, from the weights before any update
+        fresh = trainer64(pair_root, tmp_path / "ref", loss={"name": "reinforce"})
+        mb = select_rows(batch, first)
+        n_mb = mb.num_response_tokens
+        assert 0 < n_mb < batch.num_response_tokens
+        ref = Objective(fresh.cfg)
+        with torch.no_grad():
+            zt = fresh.teacher_scorer.submit(mb).result()
+        zs = fresh._student_logits(fresh.student, mb)
+        ref(zs, zt, mb.response_ids, mb.response_mask, on_policy=True, normalizer=n_mb).loss.backward()
+        want = [p.grad for p in fresh.params]
+    for got, w in zip(opt.seen[0], want):
+        torch.testing.assert_close(got, w, rtol=1e-10, atol=1e-13)
+
+
+def test_micro_batch_size_does_not_change_the_updates(pair_root, tmp_path):
+    with golden.float64():
+        weights = []
+        for micro in (0, 1):
+            t = trainer64(pair_root, tmp_path / str(micro), loss={"ppo_epochs": 2, "ppo_mini_batches": 2}, trainer={"micro_batch_size": micro})
+            t.ppo.optimizer = _recording_sgd(t.params, lr=0.2)
+            t.train_step()
+            weights.append(torch.cat([p.detach().reshape(-1) for p in t.student.parameters()]))
+    torch.testing.assert_close(weights[0], weights[1], rtol=1e-10, atol=1e-12)
+
+
+def test_a_non_finite_update_is_skipped_alone(pair_root, tmp_path, monkeypatch):
+    """The guard acts per update: a NaN gradient in one update leaves the others applied and the
+    step counted as trained; NaN in all of them skips the step."""
+    with golden.float64():
+        t = trainer64(pair_root, tmp_path, loss={"ppo_mini_batches": 2}, trainer={"max_steps": 2})
+        calls = {"n": 0}
+        clip = torch.nn.utils.clip_grad_norm_
+
+        def second_is_nan(params, max_norm):
+            calls["n"] += 1
+            return torch.tensor(float("nan")) if calls["n"] == 2 else clip(params, max_norm)
+
+        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", second_is_nan)
+        before = [p.detach().clone() for p in t.student.parameters()]
+        m = t.train_step()
+        assert m["ppo/skipped_updates"] == 1 and m["grad/skipped"] == 0 and t.state.guard.skipped_steps == 0
+        assert any((a != p).any() for a, p in zip(before, t.student.parameters()))
+        monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda params, max_norm: torch.tensor(float("nan")))
+        before = [p.detach().clone() for p in t.student.parameters()]
+        m = t.train_step()
+        assert m["ppo/skipped_updates"] == 2 and m["grad/skipped"] == 1 and t.state.guard.skipped_steps == 1
+        assert all((a == p).all() for a, p in zip(before, t.student.parameters()))
