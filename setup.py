@@ -14,7 +14,7 @@ SHIPPED = {
     for folder in [Path(top), *sorted(p for p in Path(top).rglob("*") if p.is_dir())]
 }
 PACKAGES = find_namespace_packages(include=["opd_exp", "opd_exp.*"], exclude=["*.__pycache__"])
-PLUGINS = ["hydra_plugins.opd_exp_dry"]  # Hydra looks for plugins only under hydra_plugins
+PLUGINS = ["hydra_plugins.opd_exp_launchers"]  # Hydra looks for plugins only under hydra_plugins
 
 setup(
     packages=PACKAGES + PLUGINS + list(SHIPPED),

@@ -12,7 +12,7 @@ from omegaconf import OmegaConf
 import opd_exp.cli.train as T
 
 LAUNCHERS = {
-    "local": ("hydra_plugins.opd_exp_dry.local_launcher", "LocalLauncher", {"n_jobs": 4}),
+    "local": ("hydra_plugins.opd_exp_launchers.local_launcher", "LocalLauncher", {"n_jobs": 4}),
     "slurm": ("hydra_plugins.hydra_submitit_launcher", "SlurmLauncher", {"gpus_per_node": 1, "max_num_timeout": 3}),
 }
 

@@ -23,8 +23,8 @@ class OpdSweepsSearchPath(SearchPathPlugin):
 def register() -> None:
     """Idempotent: Hydra keeps one entry per plugin class. The dry and local launchers are
     registered here too: Hydra's own scan of ``hydra_plugins`` does not see an editable install's packages."""
-    from hydra_plugins.opd_exp_dry.dry_launcher import DryLauncher
-    from hydra_plugins.opd_exp_dry.local_launcher import LocalLauncher
+    from hydra_plugins.opd_exp_launchers.dry_launcher import DryLauncher
+    from hydra_plugins.opd_exp_launchers.local_launcher import LocalLauncher
 
     Plugins.instance().register(OpdSweepsSearchPath)
     Plugins.instance().register(DryLauncher)

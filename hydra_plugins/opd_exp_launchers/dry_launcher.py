@@ -20,7 +20,7 @@ from omegaconf import open_dict
 
 @dataclass
 class DryLauncherConf:
-    _target_: str = "hydra_plugins.opd_exp_dry.dry_launcher.DryLauncher"
+    _target_: str = "hydra_plugins.opd_exp_launchers.dry_launcher.DryLauncher"
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="dry", node=DryLauncherConf, provider="opd-exp")
