@@ -283,3 +283,37 @@ def test_a_non_finite_update_is_skipped_alone(pair_root, tmp_path, monkeypatch):
         m = t.train_step()
         assert m["ppo/skipped_updates"] == 2 and m["grad/skipped"] == 1 and t.state.guard.skipped_steps == 1
         assert all((a == p).all() for a, p in zip(before, t.student.parameters()))
+
+
+# -- the warning when a sampled run's eval divergence keeps rising ---------------
+
+
+def test_eval_rise_is_said_once_after_three_evals_in_a_row_above_the_start():
+    from opd_exp.training.advice import EvalRise
+
+    w = EvalRise("eval/rkl", "sampled", 3e-3)
+    before = {"eval/rkl": 1.0}
+    said = [w.update(before, {"eval/rkl": v}, step) for step, v in enumerate((1.2, 1.1, 0.9, 1.3, 1.4, 1.5, 1.6, 1.7), 1)]
+    assert [i for i, line in enumerate(said) if line] == [5]  # the dip at the third eval restarts the count; said once
+    assert said[5] == (
+        "opd-train: warning: eval/rkl has been above its value before training (1) for 3 evals in a row (now 1.5 at step 6) "
+        "with estimator=sampled at trainer.lr=0.003: the sampled estimator's one-token gradient is noisy and this lr makes "
+        "the student worse; try trainer.lr=0.0003 (measured to learn on the embedded pair; docs/training.md)"
+    )
+    low = EvalRise("eval/rkl", "sampled", 3e-4)
+    lines = [low.update(before, {"eval/rkl": 2.0}, s) for s in (1, 2, 3)]
+    assert lines[:2] == [None, None] and lines[2].endswith("try a lower trainer.lr, or estimator=full|topk (docs/training.md)")
+    assert EvalRise("eval/rkl", "sampled", 3e-3).update({}, {"eval/rkl": 2.0}, 1) is None  # no value before: nothing
+
+
+def test_a_sampled_run_whose_eval_divergence_rises_warns_once(pair_root, tmp_path, monkeypatch):
+    values = iter((1.0, 1.5, 1.6, 1.7, 1.8, 1.9))
+    with golden.float64():
+        t = trainer64(pair_root, tmp_path, loss={"name": "reinforce"}, trainer={"max_steps": 5, "eval_every": 1})
+        monkeypatch.setattr(t, "evaluate", lambda: dict.fromkeys(("eval/kl_reverse", "eval/rkl"), next(values)))
+        t.run()
+        full = trainer64(pair_root, tmp_path / "full", estimator={"name": "full"}, loss={"name": "direct"})
+    log = (tmp_path / "train.log").read_text()
+    assert log.count("opd-train: warning: eval/rkl has been above its value before training (1) for 3 evals") == 1
+    assert "(now 1.7 at step 3) with estimator=sampled at trainer.lr=0.01" in log
+    assert full.eval_rise is None  # the exact estimator is not watched

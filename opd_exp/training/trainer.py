@@ -45,6 +45,7 @@ from opd_exp.runtime import precision as prec
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.runtime.guards import Diverged, NonFinite, Preempted, PreemptionGuard, StepGuard, nonfinite_summary
 from opd_exp.sinks import JsonlSink, MultiSink, Progress, Sink
+from opd_exp.training.advice import EvalRise
 from opd_exp.training.engines import build_student_engine, in_process_engine, pair_record, require_extras, use_fused_lm_head
 from opd_exp.training.evaluate import Evaluator
 from opd_exp.training.memory import check_step_memory
@@ -166,6 +167,8 @@ class Trainer:
                 params=self.params,
                 warn=self.warn,
             )
+        # estimator=sampled: an eval divergence that stays above its start is said once (advice.py)
+        self.eval_rise = EvalRise(self.own_eval_key, "sampled", tc.lr) if cfg.estimator.name.value == "sampled" else None
         self._lr_segments: list[dict[str, Any]] = []  # schedule continuations made by trainer.extend
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
         self.state = TrainState(cursor=DataCursor(len(self.train_problems), cfg.seed), guard=StepGuard(tc.max_bad_steps))
@@ -613,6 +616,8 @@ class Trainer:
                 last = self.step == tc.max_steps
                 if (tc.eval_every and self.step % tc.eval_every == 0) or last:
                     state.eval_last = self.evaluate()
+                    if self.eval_rise is not None and (line := self.eval_rise.update(state.eval_before, state.eval_last, self.step)):
+                        self.warn(line)
                     metrics.update(state.eval_last)
                 if self.step % tc.log_every == 0 or last or "eval/accuracy" in metrics:
                     sink.log(metrics, step=self.step)
