@@ -61,7 +61,8 @@ def test_a_passing_plugin_is_checked_once_per_version_of_its_source(tmp_path):
     code = f"""
 import os
 os.environ["OPD_PLUGINS"] = {str(plugin)!r}
-from opd_exp.config.plugins import load_plugins, check_plugin_divergence
+from opd_exp.config.plugins import load_plugins
+from opd_exp.cli.plugin_check import check_plugin_divergence
 import opd_exp.divergences as d
 load_plugins()
 calls = []

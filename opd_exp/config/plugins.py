@@ -11,14 +11,12 @@ Importing the module runs its ``register_divergence`` / ``register_task`` calls,
 ``divergence.name=jeffreys`` or ``task.name=my_jsonl`` are valid choices from then on.
 
 A registered divergence that is not one of ours must pass ``check_divergence`` before it
-trains (``check_plugin_divergence``: once per version of its source, the pass cached), and a
-run folder records the plugins it was made with (``plugins.json``), so a resume without them
-says which to load.
+trains (``opd_exp.cli.plugin_check``), and a run folder records the plugins it was made with
+(``plugins.json``), so a resume without them says which to load.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.util
 import json
@@ -99,70 +97,6 @@ def load_plugins() -> list[str]:
         loaded.append(key)
     _ORDER.extend(loaded)
     return loaded
-
-
-# -- a plugin divergence passes check_divergence before it trains -----------------------------
-
-
-def _source_hash(cls: type, params: dict) -> str | None:
-    """SHA-256 of the plugin's source files (every class of its MRO outside opd_exp), the
-    checks' own source and the parameters; None when a source file cannot be read."""
-    from opd_exp.divergences import check
-
-    h = hashlib.sha256(json.dumps({"class": f"{cls.__module__}.{cls.__qualname__}", "params": params}, sort_keys=True).encode())
-    files = {Path(check.__file__)}
-    for c in cls.__mro__:
-        if c.__module__.split(".")[0] not in ("opd_exp", "builtins", "abc"):
-            try:
-                import inspect
-
-                files.add(Path(inspect.getsourcefile(c)))
-            except (TypeError, OSError):
-                return None
-    for f in sorted(files):
-        try:
-            h.update(f.read_bytes())
-        except (OSError, TypeError):
-            return None
-    return h.hexdigest()
-
-
-def check_plugin_divergence(name: str, params: dict) -> None:
-    """Run ``check_divergence`` on a registered divergence that is not one of ours (its class
-    lives outside ``opd_exp``) at these parameters; refuse it in one line when a check fails.
-    A pass is cached under the opd-exp cache root by a hash of the plugin's source, so a
-    start costs the ~1 s check once per version of the file."""
-    from opd_exp.divergences import DivergenceCheckError, check_divergence, divergence_class
-
-    cls = divergence_class(name)
-    if cls.__module__.split(".")[0] == "opd_exp":
-        return
-    digest = _source_hash(cls, params)
-    marker = None
-    if digest is not None:
-        from opd_exp.pairs.embedded.cache import cache_root
-
-        marker = cache_root() / "divergence-checks" / f"{digest[:32]}.ok"
-        if marker.is_file():
-            return
-    try:
-        check_divergence(cls(**params))
-    except DivergenceCheckError as ex:
-        raise ConfigError(
-            f"divergence={name} ({cls.__module__}.{cls.__qualname__}) fails check_divergence: {first_line(ex)}; "
-            f"allowed: a divergence whose costs and values pass check_divergence (docs/extending.md)"
-        ) from None
-    except Exception as ex:  # the plugin's own code raised
-        raise ConfigError(
-            f"divergence={name} ({cls.__module__}.{cls.__qualname__}): check_divergence raised {type(ex).__name__}: "
-            f"{first_line(ex)}; allowed: a divergence that passes check_divergence (docs/extending.md)"
-        ) from None
-    if marker is not None:
-        try:
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(f"{cls.__module__}.{cls.__qualname__} {json.dumps(params, sort_keys=True)}\n")
-        except OSError:
-            pass  # a read-only cache: check again next time
 
 
 # -- which plugins a run folder was made with ---------------------------------------------
