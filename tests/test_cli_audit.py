@@ -64,3 +64,21 @@ def test_an_ad_hoc_multirun_names_its_w_and_b_runs_from_the_swept_overrides():
     assert name == "variant=jsd_0.5,seed=1-" + tracking.settings_hash(["trainer.max_steps=100"])
     # a sweep file's readable folder names are kept
     assert tracking.run_name(None, Path("multirun/divergence/embedded/3_jsd_0.5_seed1"), job).startswith("3_jsd_0.5_seed1-")
+
+
+@pytest.mark.parametrize(
+    "pair, batch, lr",
+    [("embedded", 64, 3e-3), ("smollm2", 8, 1e-4), ("qwen2.5_1.5b_math7b", 32, 1e-6), ("qwen3", 32, 1e-6)],
+)
+def test_each_pair_brings_its_own_training_defaults(pair, batch, lr):
+    cfg = _compose(f"model_pair={pair}")
+    assert (cfg.trainer.batch_size, cfg.trainer.lr) == (batch, lr)
+    # the command line and experiment files still win
+    assert _compose(f"model_pair={pair}", "trainer.lr=0.5", "trainer.batch_size=3").trainer.lr == 0.5
+    assert _compose(f"model_pair={pair}", "model_pair.name=x").model_pair.name == "x"
+
+
+def test_experiment_files_keep_their_recipes():
+    assert _compose("experiment=smollm2_recovery").trainer.batch_size == 8
+    cfg = _compose("experiment=opd_gsm8k_jsd")
+    assert (cfg.trainer.batch_size, cfg.trainer.micro_batch_size, cfg.trainer.lr, cfg.model_pair.dtype) == (32, 4, 1e-6, "bfloat16")

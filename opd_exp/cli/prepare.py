@@ -28,7 +28,10 @@ def _group_option(group: str, option: str) -> dict:
     if not path.is_file():
         allowed = sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
         raise ConfigError(f"{group}: no option {option!r}; allowed: {', '.join(allowed)}")
-    return OmegaConf.to_container(OmegaConf.load(path))
+    data = OmegaConf.to_container(OmegaConf.load(path)) or {}
+    if path.read_text().startswith("# @package _global_"):  # e.g. a pair that brings its trainer defaults
+        data = data.get(group) or {}
+    return data
 
 
 def _parse_overrides(overrides: Sequence[str]) -> tuple[ModelPairConfig, TaskConfig]:
