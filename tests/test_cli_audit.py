@@ -82,3 +82,24 @@ def test_experiment_files_keep_their_recipes():
     assert _compose("experiment=smollm2_recovery").trainer.batch_size == 8
     cfg = _compose("experiment=opd_gsm8k_jsd")
     assert (cfg.trainer.batch_size, cfg.trainer.micro_batch_size, cfg.trainer.lr, cfg.model_pair.dtype) == (32, 4, 1e-6, "bfloat16")
+
+
+def test_a_lab_pair_with_another_task_is_refused(monkeypatch, capsys):
+    code, _out, err = run_cli(["--cfg", "job", "model_pair=embedded_multimodal", "task=arithmetic"], monkeypatch, capsys)
+    assert code == 2
+    assert err.strip().splitlines() == [
+        "opd-train: error: task.name='arithmetic' is not allowed with model_pair=embedded_multimodal (built for task=multimodal, "
+        "where task.name='multimodal'); allowed: task=multimodal, or another model_pair"
+    ]
+    code, _out, err = run_cli(["--cfg", "job", "model_pair=embedded_chain"], monkeypatch, capsys)
+    assert code == 2 and "task.min_operands=2 is not allowed with model_pair=embedded_chain (built for task=chain" in err
+    # the lab's own pairings, and keys the task option leaves free
+    assert _compose("model_pair=embedded_multimodal", "task=multimodal", "task.n_eval=50").task.n_eval == 50
+    assert _compose("model_pair=embedded_chain", "task=chain").model_pair.for_task == "chain"
+    assert _compose("model_pair=embedded", "task=multimodal").task.name == "multimodal"  # the default pair: any task
+
+
+def test_the_lab_pairs_task_check_is_not_in_the_fingerprint():
+    from opd_exp.runtime.fingerprint import config_fingerprint
+
+    assert not [k for k in config_fingerprint(_compose("model_pair=embedded_chain", "task=chain")) if "for_task" in k]

@@ -21,7 +21,28 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
     from opd_exp.cli.plugin_check import check_plugin_divergence
 
     check_plugin_divergence(typed.divergence.name.value, typed.divergence.params())  # a plugin's costs checked before it trains
+    check_pair_task(typed)
     return typed
+
+
+def check_pair_task(cfg: TrainConfig) -> None:
+    """A pair built for one task (``model_pair.for_task``, the lab's pairs) with another: refused,
+    naming the first key that differs from that task option's file."""
+    option = cfg.model_pair.for_task
+    if not option:
+        return
+    from opd_exp.config import folders
+
+    path = folders.CONF_DIR / "task" / f"{option}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"model_pair.for_task={option!r}: no conf/task/{option}.yaml; allowed: a task option (conf/task/)")
+    for key, want in (OmegaConf.to_container(OmegaConf.load(path)) or {}).items():
+        got = getattr(cfg.task, key, None)
+        if got != want:
+            raise ConfigError(
+                f"task.{key}={got!r} is not allowed with model_pair={cfg.model_pair.name} (built for task={option}, where "
+                f"task.{key}={want!r}); allowed: task={option}, or another model_pair"
+            )
 
 
 def _reject_unknown_keys(obj, prefix: str = "") -> None:

@@ -129,6 +129,9 @@ class ModelPairConfig:
     trust_remote_code: bool = False  # allow models whose code lives in their repo (auto_map)
     embedded: EmbeddedPairConfig = field(default_factory=EmbeddedPairConfig)  # the embedded pair's recipe (cache key)
     smollm2: SmolLM2PairConfig = field(default_factory=SmolLM2PairConfig)  # the SmolLM2 pair's pruning recipe (cache key)
+    # the lab's pairs: the conf/task option they are built for (task=multimodal); a task whose keys
+    # differ from that option's is refused (it would train a new, meaningless pair). null: any task
+    for_task: str | None = None
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "model_pair.dtype", self.dtype, " | ".join(DTYPES))

@@ -39,6 +39,7 @@ IGNORED = frozenset(
         "trainer.eval_every",
         "trainer.eval_batch_size",
         "model_pair.embedded.threads",
+        "model_pair.for_task",  # a check of the task the pair goes with, not part of either
         # a served teacher: where it runs and how it is reached (its identity is SERVED_IDENTITY)
         "teacher.url",
         "teacher.timeout_s",
