@@ -254,7 +254,9 @@ def test_micro_batch_size_does_not_change_the_updates(pair_root, tmp_path):
     with golden.float64():
         weights = []
         for micro in (0, 1):
-            t = trainer64(pair_root, tmp_path / str(micro), loss={"ppo_epochs": 2, "ppo_mini_batches": 2}, trainer={"micro_batch_size": micro})
+            t = trainer64(
+                pair_root, tmp_path / str(micro), loss={"ppo_epochs": 2, "ppo_mini_batches": 2}, trainer={"micro_batch_size": micro}
+            )
             t.ppo.optimizer = _recording_sgd(t.params, lr=0.2)
             t.train_step()
             weights.append(torch.cat([p.detach().reshape(-1) for p in t.student.parameters()]))
@@ -298,7 +300,7 @@ def test_eval_rise_is_said_once_after_three_evals_in_a_row_above_the_start():
     assert said[5] == (
         "opd-train: warning: eval/rkl has been above its value before training (1) for 3 evals in a row (now 1.5 at step 6) "
         "with estimator=sampled at trainer.lr=0.003: the sampled estimator's one-token gradient is noisy and this lr makes "
-        "the student worse; try trainer.lr=0.0003 (measured to learn on the embedded pair; docs/training.md)"
+        "the student worse; try trainer.lr=0.0003 (the least harmful lr measured on the embedded pair; docs/training.md)"
     )
     low = EvalRise("eval/rkl", "sampled", 3e-4)
     lines = [low.update(before, {"eval/rkl": 2.0}, s) for s in (1, 2, 3)]

@@ -4,7 +4,7 @@
 the student worse (the one-sample gradient is far noisier); the sign is the trained divergence's
 eval value (``eval/<divergence>``) staying above its value before training. After
 ``RISE_EVALS`` such evals in a row the run says so in one line, naming the estimator, the lr and
-the lr measured to learn on the embedded pair (docs/training.md).
+the best lr of the measured grid on the embedded pair (docs/training.md).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 
 RISE_EVALS = 3
-# measured on the embedded pair, `estimator=sampled loss=ppo divergence=rkl` (docs/training.md)
+# the best of 1e-4, 3e-4, 1e-3, 3e-3 for `estimator=sampled loss=ppo divergence=rkl` on the embedded pair (docs/training.md)
 SAMPLED_LR = 3e-4
 
 
@@ -32,7 +32,7 @@ class EvalRise:
         if self.said or self.in_a_row < self.evals:
             return None
         self.said = True
-        lower = f"try trainer.lr={SAMPLED_LR:g} (measured to learn on the embedded pair; docs/training.md)"
+        lower = f"try trainer.lr={SAMPLED_LR:g} (the least harmful lr measured on the embedded pair; docs/training.md)"
         if self.lr <= SAMPLED_LR:
             lower = "try a lower trainer.lr, or estimator=full|topk (docs/training.md)"
         return (
