@@ -103,3 +103,26 @@ def test_the_lab_pairs_task_check_is_not_in_the_fingerprint():
     from opd_exp.runtime.fingerprint import config_fingerprint
 
     assert not [k for k in config_fingerprint(_compose("model_pair=embedded_chain", "task=chain")) if "for_task" in k]
+
+
+def test_the_default_run_folder_differs_between_two_starts_in_the_same_second(monkeypatch):
+    import os
+    import re
+
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    import opd_exp.cli.train as T
+
+    def run_dir() -> str:
+        with initialize_config_dir(config_dir=T.CONF_DIR, version_base="1.3"):
+            cfg = compose("train", overrides=["logger=none"], return_hydra_config=True)
+            OmegaConf.clear_cache(cfg)  # resolvers cache per config: a fresh resolution
+            return str(cfg.hydra.run.dir)
+
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    got = run_dir()
+    assert re.fullmatch(rf"outputs/\d{{4}}-\d\d-\d\d/\d\d-\d\d-\d\d_{os.getpid()}", got), got
+    # a second process started in the same second has another id; torchrun's ranks share their agent's
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert run_dir().endswith(f"_{os.getppid()}")

@@ -32,12 +32,24 @@ def register_configs() -> None:
 
     load_plugins()  # OPD_PLUGINS and entry points: their divergences and tasks are valid choices
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
+
+    OmegaConf.register_new_resolver("opd_pid", launcher_pid, use_cache=True, replace=True)
 
     store_divergence_options(ConfigStore.instance())
     if _REGISTERED:
         return
     ConfigStore.instance().store(name="train_schema", node=TrainConfig)
     _REGISTERED = True
+
+
+def launcher_pid() -> int:
+    """``${opd_pid:}`` in conf/train.yaml's default run folder: this process's id, so two runs
+    started in the same second never share a folder; under torchrun (LOCAL_RANK set) the id of
+    the torchrun agent, the parent every local rank shares, so the ranks agree."""
+    import os
+
+    return os.getppid() if "LOCAL_RANK" in os.environ else os.getpid()
 
 
 def store_divergence_options(store) -> None:
