@@ -9,7 +9,8 @@ Imports torch and nothing else of ours, so notebooks and other projects can use 
     exact = d.full(student_logits, teacher_logits, temperature=1.0, mask=mask)
 
 A new divergence is one class with ``@register_divergence``; ``check_divergence(d)`` runs the
-exactness checks on it (docs/extending.md).
+exactness checks on it (docs/extending.md), ``check_topk_estimators(d)`` those of the unbiased
+top-k estimators (``TOPK_ESTIMATORS``, docs/divergences.md#top-k-estimators).
 """
 
 from .catalog import (
@@ -28,15 +29,29 @@ from .catalog import (
     parameter_names,
     register_divergence,
 )
-from .check import CheckReport, DivergenceCheckError, check_divergence
+from .check import CheckReport, DivergenceCheckError, check_divergence, check_topk_estimators
 from .credit import sequence_returns
 from .filtered import filtered_value, outside_support
 from .full import default_chunk_size
 from .reduce import masked_mean, masked_sum
 from .topk import topk_estimate
+from .topk_variants import (
+    TOPK_ESTIMATORS,
+    TopkEstimate,
+    TopkEstimator,
+    generalized_kl_topk,
+    set_estimate,
+    student_topk_estimate,
+    teacher_topk_estimate,
+    topk_estimator,
+    truncation_masses,
+    union_topk_estimate,
+    verl_topk,
+)
 
 __all__ = [
     "DIVERGENCES",
+    "TOPK_ESTIMATORS",
     "CheckReport",
     "Divergence",
     "DivergenceCheckError",
@@ -46,11 +61,15 @@ __all__ = [
     "ReverseKL",
     "SkewForwardKL",
     "SkewReverseKL",
+    "TopkEstimate",
+    "TopkEstimator",
     "TotalVariation",
     "check_divergence",
+    "check_topk_estimators",
     "default_chunk_size",
     "divergence_class",
     "filtered_value",
+    "generalized_kl_topk",
     "get_divergence",
     "masked_mean",
     "masked_sum",
@@ -59,5 +78,12 @@ __all__ = [
     "parameter_names",
     "register_divergence",
     "sequence_returns",
+    "set_estimate",
+    "student_topk_estimate",
+    "teacher_topk_estimate",
     "topk_estimate",
+    "topk_estimator",
+    "truncation_masses",
+    "union_topk_estimate",
+    "verl_topk",
 ]

@@ -27,6 +27,7 @@ import torch
 from opd_exp.divergences.catalog import Divergence, get_divergence
 from opd_exp.divergences.filtered import filtered_value
 from opd_exp.divergences.topk import topk_estimate
+from opd_exp.divergences.topk_variants import TOPK_ESTIMATORS, topk_estimator
 
 DTYPE = torch.float64
 Cost = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (s, t) over the vocabulary -> c
@@ -327,13 +328,21 @@ class CheckReport:
 
     divergence: str
     results: tuple[CheckResult, ...]
+    function: str = "check_divergence"  # the check that made it, named in its table and errors
 
     @property
     def ok(self) -> bool:
         return all(r.ok for r in self.results)
 
+    def raise_first_failure(self) -> None:
+        for r in self.results:
+            if not r.ok:
+                raise DivergenceCheckError(
+                    f"{self.function}({self.divergence}): '{r.check}' fails: error {r.worst:.3g} > {r.tol:.0e} ({r.where})"
+                )
+
     def __str__(self) -> str:
-        lines = [f"check_divergence({self.divergence}):"]
+        lines = [f"{self.function}({self.divergence}):"]
         for r in self.results:
             lines.append(f"  {'ok  ' if r.ok else 'FAIL'} {r.check:<58} worst {r.worst:.2e} (tol {r.tol:.0e}, {r.where})")
         return "\n".join(lines)
@@ -420,9 +429,64 @@ def check_divergence(
             record("token_value(s, s) = 0", float(div.token_value(s, s).abs().max()), where, 1e-10)
     report = CheckReport(repr(div), tuple(CheckResult(k, e, tols[k], w) for k, (e, w) in results.items()))
     if raise_on_failure:
-        for r in report.results:
-            if not r.ok:
-                raise DivergenceCheckError(
-                    f"check_divergence({report.divergence}): '{r.check}' fails: error {r.worst:.3g} > {r.tol:.0e} ({r.where})"
-                )
+        report.raise_first_failure()
+    return report
+
+
+def topk_enumeration(name: str, div: Divergence, zs: torch.Tensor, zt: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k estimator ``name`` exactly over y ~ S, per row of ``[rows, V]`` logits:
+    (E_y[grad_z surrogate], E_y[value])."""
+    rows, V = zs.shape
+    t_all = zt.log_softmax(-1)
+    z = zs.detach().clone().requires_grad_(True)
+    # one row per (row, sampled token y); the copies share z, so backward sums over y
+    out = topk_estimator(name).estimate(
+        div, z.unsqueeze(1).expand(rows, V, V), t_all.unsqueeze(1).expand(rows, V, V), torch.arange(V).expand(rows, V), k=k
+    )
+    S = zs.detach().softmax(-1)
+    (S * out.surrogate).sum().backward()
+    return z.grad, (S * out.value).sum(-1)
+
+
+def check_topk_estimators(
+    div: Divergence,
+    *,
+    estimators: Sequence[str] | None = None,
+    ks: Sequence[int] | None = None,
+    vocab: int = 7,
+    rows: int = 3,
+    seeds: Sequence[int] = (0, 1, 2),
+    regimes: Sequence[str] = REGIMES,
+    tol: float = 1e-6,
+    raise_on_failure: bool = True,
+) -> CheckReport:
+    """The enumeration checks of the top-k estimators on ``div``: for each estimator (default: every
+    one in ``TOPK_ESTIMATORS`` that claims unbiasedness) and each k (default 1, 2, vocab // 2 and
+    vocab), E_{y~S}[value] = D and E_{y~S}[grad surrogate] = grad D (autograd of ``full``),
+    enumerated over a small vocabulary in float64, as ``check_divergence`` does for the sampled
+    cost. Returns a ``CheckReport``; on a failure raises ``DivergenceCheckError`` with one line."""
+    names = [n for n, e in TOPK_ESTIMATORS.items() if e.unbiased] if estimators is None else list(estimators)
+    ks = sorted({1, 2, vocab // 2, vocab}) if ks is None else list(ks)
+    results: dict[str, tuple[float, str]] = {}
+
+    def record(check: str, err: float, where: str) -> None:
+        err = err if math.isfinite(err) else math.inf
+        if check not in results or err > results[check][0]:
+            results[check] = (err, where)
+
+    for regime in regimes:
+        for seed in seeds:
+            zs, zt = _check_pair(seed, regime, vocab, rows)
+            z = zs.clone().requires_grad_(True)
+            D = div.full(z, zt)
+            D.sum().backward()
+            for name in names:
+                for k in ks:
+                    grad, value = topk_enumeration(name, div, zs, zt, k)
+                    where = f"{regime}, seed {seed}, k={k}"
+                    record(f"{name}: E_y[value] = D (unbiased)", _rel(value, D.detach()), where)
+                    record(f"{name}: E_y[grad surrogate] = grad D", _rel(grad, z.grad), where)
+    report = CheckReport(repr(div), tuple(CheckResult(c, e, tol, w) for c, (e, w) in results.items()), function="check_topk_estimators")
+    if raise_on_failure:
+        report.raise_first_failure()
     return report
