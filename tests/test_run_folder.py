@@ -5,6 +5,7 @@ continuous and records each session in history.yaml; train.log keeps the console
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -160,3 +161,19 @@ def test_extend_onto_another_eval_set_measures_it_again(tiny_pair, tmp_path, mon
     assert len(again) == 1 and again[0]["eval/teacher_accuracy"] == summary["eval/teacher_accuracy"]
     assert summary["eval/kl_reverse_before"] == again[0]["eval/kl_reverse"] != rows[0]["eval/kl_reverse"]
     assert read_history(tmp_path)[-1]["eval_set_changed"] == ["trainer.eval_size"]
+
+
+def test_a_setting_added_after_the_checkpoint_is_no_difference_at_its_default():
+    """A checkpoint written before a knob existed resumes while the knob holds its default
+    (the code did then what the default does now); any other value is a difference."""
+    from opd_exp.config.schema import TrainConfig
+    from opd_exp.runtime import fingerprint
+
+    cfg = TrainConfig()
+    now, defaults = fingerprint.config_fingerprint(cfg), fingerprint.schema_defaults(cfg)
+    older = {k: v for k, v in now.items() if k != "loss.ppo_epochs"}  # written before loss.ppo_epochs
+    assert "loss.ppo_epochs" in now and fingerprint.differences(older, now, defaults) == {}
+    assert fingerprint.refusal(Path("run"), older, now, defaults) is None
+    changed = {**now, "loss.ppo_epochs": 4}
+    assert fingerprint.differences(older, changed, defaults) == {"loss.ppo_epochs": (None, 4)}
+    assert fingerprint.differences(older, now) == {"loss.ppo_epochs": (None, 1)}  # without the defaults: a difference

@@ -83,10 +83,24 @@ def short_hash(values: dict[str, Any], n: int = 8) -> str:
     return hashlib.sha256(json.dumps(values, sort_keys=True, default=str).encode()).hexdigest()[:n]
 
 
-def differences(stored: dict[str, Any], current: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
-    """{key: (stored value, current value)} for every key that differs (missing = None)."""
+def differences(stored: dict[str, Any], current: dict[str, Any], defaults: dict[str, Any] | None = None) -> dict[str, tuple[Any, Any]]:
+    """{key: (stored value, current value)} for every key that differs (missing = None).
+
+    ``defaults`` (``schema_defaults``): a setting added to the schema after the checkpoint was
+    written is not a difference while it holds its default, since a new knob's default is what
+    the code did before the knob existed."""
     keys = sorted(set(stored) | set(current))
-    return {k: (stored.get(k), current.get(k)) for k in keys if stored.get(k) != current.get(k)}
+    defaults = defaults or {}
+    return {
+        k: (stored.get(k), current.get(k))
+        for k in keys
+        if stored.get(k) != current.get(k) and not (k not in stored and k in defaults and current.get(k) == defaults[k])
+    }
+
+
+def schema_defaults(cfg: Any) -> dict[str, Any]:
+    """The fingerprint of ``cfg``'s schema at its declared defaults (``type(cfg)()``)."""
+    return config_fingerprint(type(cfg)())
 
 
 def describe(diff: dict[str, tuple[Any, Any]], limit: int = 6) -> str:
@@ -113,9 +127,9 @@ def read_history(run_dir: Path) -> list[dict[str, Any]]:
     return list(yaml.safe_load(path.read_text()) or []) if path.is_file() else []
 
 
-def refusal(run_dir: Path, stored: dict[str, Any], current: dict[str, Any]) -> str | None:
+def refusal(run_dir: Path, stored: dict[str, Any], current: dict[str, Any], defaults: dict[str, Any] | None = None) -> str | None:
     """The one-line refusal of a resume with other settings, or None when they agree."""
-    diff = differences(stored, current)
+    diff = differences(stored, current, defaults)
     if not diff:
         return None
     return (
@@ -161,6 +175,6 @@ def check_run_folder(run_dir: Path, cfg: Any) -> None:
         return
     if isinstance(stored, dict):
         stored = {k: v for k, v in stored.items() if not k.startswith(SERVED_IDENTITY)}
-    line = refusal(Path(run_dir), stored, config_fingerprint(cfg)) if isinstance(stored, dict) else None
+    line = refusal(Path(run_dir), stored, config_fingerprint(cfg), schema_defaults(cfg)) if isinstance(stored, dict) else None
     if line:
         raise ConfigError(line)

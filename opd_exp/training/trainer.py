@@ -39,7 +39,7 @@ import torch
 
 from opd_exp.config.schema import LoggerName, Schedule, TrainConfig
 from opd_exp.divergences import get_divergence
-from opd_exp.runtime import checkpoint, fingerprint
+from opd_exp.runtime import checkpoint, fingerprint, host
 from opd_exp.runtime import distributed as dist_util
 from opd_exp.runtime import precision as prec
 from opd_exp.runtime.errors import ConfigError
@@ -69,6 +69,8 @@ class Trainer:
             torch.set_num_threads(tc.num_threads)
         # torchrun ranks (trainer.parallel=ddp|fsdp; docs/scale.md): process group + this rank's device
         self.dist, self.device = dist_util.setup(tc.parallel.value, tc.device)
+        if self.device.type == "cpu":  # freed blocks reused, not faulted in afresh every step (runtime/host.py)
+            host.keep_freed_memory()
         self.run_dir = Path(dist_util.broadcast_object(str(run_dir), self.dist))  # rank 0's folder for all
         if self.dist.row_keyed:
             dist_util.shard(tc.batch_size * ro.n_samples, self.dist)  # rows split evenly, or one line now
@@ -153,7 +155,8 @@ class Trainer:
         # checkpoints use the plain module (fully_shard works in place: the same object).
         self.train_module = dist_util.wrap_student(self.student, self.dist, self.device)
         self.params = [p for p in self.student.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=tc.lr, weight_decay=tc.weight_decay)
+        # fused AdamW: no parameter-sized temporary per step (runtime/host.py)
+        self.optimizer = host.adamw(self.params, lr=tc.lr, weight_decay=tc.weight_decay, device=self.device, fsdp=fsdp)
         # loss.ppo_epochs / ppo_mini_batches: several clipped updates per rollout, each an optimizer step
         self.ppo = None
         if cfg.loss.ppo_updates > 1:
