@@ -101,7 +101,7 @@ def _worker(impl: str, V: int, N: int, R: int, seed: int = 0) -> dict:
             loss = float(out.loss)
         else:
             ft = FusedTeacher(teacher, V, temperature=1.0, device="cpu")
-            out, _ = fused_accumulate(
+            out = fused_accumulate(
                 objective, student, ft, batch, vocab_size=V, temperature=1.0, top_k=0, top_p=1.0, on_policy=True, normalizer=n
             )
             loss = float(out.loss)

@@ -16,12 +16,11 @@ disjoint eval split), written with spaces: ``(3 - 7) * 5``.
 from __future__ import annotations
 
 import re
-from functools import cached_property
 from typing import Any
 
 from opd_exp.config.world import TaskConfig
-from opd_exp.tasks.arithmetic import ArithmeticSpec, eval_split, train_split
-from opd_exp.tasks.base import Problem, Task, normalize_number, render_prompt
+from opd_exp.tasks.arithmetic import ArithmeticTask
+from opd_exp.tasks.base import Problem, normalize_number, render_prompt
 
 # the completion's leading integer, not the integer part of a decimal ("12.5" has no answer)
 _LEADING = re.compile(r"\s*(-?\d+)(?!\d|\.\d)")
@@ -38,28 +37,20 @@ def to_chat(problem: Problem) -> Problem:
     return Problem(prompt=f"What is {expr}?", answer=problem.answer, solution=f"{expr} = {problem.answer}")
 
 
-class ChatArithmeticTask(Task):
-    """``What is a + b?`` in a chat turn; the answer is the number the reply starts with."""
+class ChatArithmeticTask(ArithmeticTask):
+    """``What is a + b?`` in a chat turn; the answer is the number the reply starts with. The
+    problems are the arithmetic task's (same splits), asked in words."""
 
     name = "chat_arithmetic"
 
     def __init__(self, cfg: TaskConfig | None = None):
-        self.cfg = cfg or TaskConfig(name="chat_arithmetic")
-        self.spec = ArithmeticSpec(self.cfg.min_operands, self.cfg.max_operands, self.cfg.max_digits, self.cfg.ops)
-
-    @cached_property
-    def _eval(self) -> list[Problem]:
-        return eval_split(self.spec, self.cfg.n_eval, self.cfg.eval_seed)
-
-    @cached_property
-    def _train(self) -> list[Problem]:
-        return train_split(self.spec, self.cfg.n_train, self.cfg.seed, {p.prompt for p in self._eval})
+        super().__init__(cfg or TaskConfig(name="chat_arithmetic"))
 
     def train_problems(self) -> list[Problem]:
-        return [to_chat(p) for p in self._train]
+        return [to_chat(p) for p in super().train_problems()]
 
     def eval_problems(self) -> list[Problem]:
-        return [to_chat(p) for p in self._eval]
+        return [to_chat(p) for p in super().eval_problems()]
 
     def render_prompt(self, problem: Problem, tokenizer: Any) -> str:
         """The chat template's user turn, then the assistant turn opened with ``<expr> = ``."""

@@ -32,7 +32,7 @@ from opd_exp.divergences.full import default_chunk_size
 from opd_exp.training.evaluate import ENTROPY
 from opd_exp.training.objective import Objective, Output, Tally, position_mask
 from opd_exp.training.rollout import Batch, sampling_logits
-from opd_exp.training.scoring import entropy, token_logprobs
+from opd_exp.training.scoring import entropy
 
 # Below this vocabulary the [N, R, V] logits are small and the materialised path is faster
 # (one LM-head matmul instead of a Python loop over chunks): `auto` keeps it.
@@ -126,17 +126,15 @@ def fused_accumulate(
     chunk_positions: int | None = None,
     autocast=contextlib.nullcontext,
     check_teacher=None,
-) -> tuple[Output, torch.Tensor]:
+) -> Output:
     """Objective, metrics and the whole backward of one micro-batch through the fused path.
 
     Gradients land in the student's ``.grad`` (as ``objective(...).loss.backward()`` would put
-    them); the returned loss is detached. Also returns the student's log-probs ``[N, R]`` of the
-    response tokens (0 off the mask), for comparison with a rollout engine's.
+    them); the returned loss is detached.
     ``check_teacher(z)``: called on each chunk of teacher logits before its backward (guards)."""
     cfg = objective.cfg
     mask = batch.response_mask.bool()
     y = batch.response_ids
-    N, R = mask.shape
     positions = chunk_positions or 2 * default_chunk_size(vocab_size)  # ~64 MiB per [chunk, V] fp32 buffer
     per_token = not on_policy or cfg.loss.credit.value == "token"
     head = student.get_output_embeddings()
@@ -149,7 +147,6 @@ def fused_accumulate(
     h_teacher = teacher.hidden(batch)
     h_free = h_student.detach()
     grad_h = torch.zeros_like(h_free)
-    logprobs = None  # [N, R], in the dtype of the student's sampling logits
     loss_total = torch.zeros((), dtype=torch.float64)
     tally = Tally()
     engine_lp = batch.sampling_logprobs  # an engine's log-probs of its samples, compared per chunk
@@ -169,21 +166,15 @@ def fused_accumulate(
         lp_c = None if engine_lp is None else pick(engine_lp)
         out = objective(zs, zt, yc, mc, on_policy=on_policy, normalizer=normalizer, engine_logprobs=lp_c, counted=pick(counted))
         out.loss.backward()  # into head.weight.grad (and bias), and hc.grad
-        if logprobs is None:
-            logprobs = torch.zeros(N, R, dtype=zs.dtype, device=mask.device)
         if cols is not None:
             grad_h[rows, cols] += hc.grad.squeeze(0)
-            logprobs[rows, cols] = torch.where(mc, token_logprobs(zs.detach(), yc), 0.0).squeeze(0)
         else:
             grad_h[rows] += hc.grad
-            logprobs[rows] = torch.where(mc, token_logprobs(zs.detach(), yc), 0.0)
         loss_total += out.loss.detach().double()
         tally.add(out)
         del zs, zt, out, hc
     h_student.backward(grad_h)  # through the backbone (and a tied embedding's input side)
-    if logprobs is None:  # no response position at all
-        logprobs = torch.zeros(N, R, dtype=torch.float32, device=mask.device)
-    return Output(loss=loss_total.float(), sums=dict(tally), counts=tally.counts, maxes=tally.maxes), logprobs
+    return Output(loss=loss_total.float(), sums=dict(tally), counts=tally.counts, maxes=tally.maxes)
 
 
 @torch.no_grad()

@@ -348,11 +348,3 @@ class Objective:
         # the exact D per position, for the monitors (estimator=full only; topk's value is an estimate)
         return per_token, -kl_coef * (value + future), clipped, value if est is EstimatorName.full else None
 
-
-@torch.no_grad()
-def exact_divergences(
-    student_z: torch.Tensor, teacher_z: torch.Tensor, mask: torch.Tensor, divergences: dict, chunk_size=None
-) -> dict[str, float]:
-    """Sums over masked positions of the exact divergences ``{name: Divergence}``."""
-    m = mask.bool()
-    return {name: float(d.full(student_z, teacher_z, mask=m, chunk_size=chunk_size).sum()) for name, d in divergences.items()}

@@ -319,7 +319,7 @@ class Trainer:
                 continue
             if self.fused_teacher is not None:  # single process: no collectives to keep in step
                 with dropout_off(self.student):
-                    out, _ = self._fused(mb, batch.source == "student", n_tokens)
+                    out = self._fused(mb, batch.source == "student", n_tokens)
                 loss_total += float(out.loss)
                 tally.add(out)
                 continue
