@@ -76,4 +76,4 @@ def test_train_dry_sweep_and_compare_from_outside_the_checkout(installed):
     assert not (cwd / "sweep").exists()  # a dry run writes nothing
 
     table = _run([bin_ / "opd-compare", run], cwd, env).stdout
-    assert "eval/kl_reverse" in table and "eval/accuracy" in table
+    assert "eval accuracy before" in table and "eval KL(S‖T) after" in table and "teacher eval accuracy" in table
