@@ -65,6 +65,7 @@ def _worker(impl: str, V: int, N: int, R: int, seed: int = 0) -> dict:
     from opd_exp.config import schema as S
     from opd_exp.config.world import ModelPairConfig, TaskConfig
     from opd_exp.training.fused import FusedTeacher, fused_accumulate, response_hidden
+    from opd_exp.training.monitors import Monitors
     from opd_exp.training.objective import Objective
     from opd_exp.training.rollout import Batch
     from opd_exp.training.scoring import student_logits, teacher_logits
@@ -91,18 +92,19 @@ def _worker(impl: str, V: int, N: int, R: int, seed: int = 0) -> dict:
             estimator=S.EstimatorConfig(name=S.EstimatorName.full),
             loss=S.LossConfig(name=S.LossName.direct),
         )
-        objective = Objective(cfg)
+        objective, monitors = Objective(cfg), Monitors(cfg)
         n = N * R
         if impl == "materialised":
             zs = student_logits(student, batch, V, temperature=1.0, top_k=0, top_p=1.0)
             zt = teacher_logits(teacher, batch, V, temperature=1.0)
             out = objective(zs, zt, batch.response_ids, batch.response_mask, on_policy=True, normalizer=n)
+            monitors(zs, zt, out)
             out.loss.backward()
             loss = float(out.loss)
         else:
             ft = FusedTeacher(teacher, V, temperature=1.0, device="cpu")
             out = fused_accumulate(
-                objective, student, ft, batch, vocab_size=V, temperature=1.0, top_k=0, top_p=1.0, on_policy=True, normalizer=n
+                objective, monitors, student, ft, batch, vocab_size=V, temperature=1.0, top_k=0, top_p=1.0, on_policy=True, normalizer=n
             )
             loss = float(out.loss)
     else:

@@ -14,6 +14,7 @@ from helpers.tiny import small_config
 from opd_exp.config.schema import validate
 from opd_exp.divergences import DIVERGENCES, filtered_value, get_divergence, sequence_returns
 from opd_exp.runtime.errors import ConfigError
+from opd_exp.training.monitors import Monitors
 from opd_exp.training.objective import Objective
 from opd_exp.training.rollout import sampling_logits
 
@@ -144,8 +145,9 @@ def test_sequence_credit_under_filtering_follows_the_exact_gradient(spec, filt):
 
 
 def _enumerated(cfg, zs, zt):
-    """E_{y~S} of the objective's per-token sums, S the filtered distribution (one position)."""
-    obj = Objective(cfg)
+    """E_{y~S} of the objective's and the monitors' per-token sums, S the filtered distribution
+    (one position)."""
+    obj, monitors = Objective(cfg), Monitors(cfg)
     zf = sampling_logits(zs, cfg.rollout.temperature, cfg.rollout.top_k, cfg.rollout.top_p)
     probs = torch.softmax(zf, -1)[0, 0]
     mean: dict[str, float] = {}
@@ -153,7 +155,7 @@ def _enumerated(cfg, zs, zt):
         if probs[y] == 0:
             continue
         out = obj(zf, zt, torch.tensor([[y]]), torch.ones(1, 1, dtype=torch.bool), on_policy=True, normalizer=1)
-        for k, v in out.sums.items():
+        for k, v in {**out.sums, **monitors(zf, zt, out).sums}.items():
             mean[k] = mean.get(k, 0.0) + float(probs[y]) * v
     return mean, zf
 

@@ -15,6 +15,7 @@ from helpers.tiny import AddTask, small_config
 from opd_exp.config.schema import Credit, DivergenceName, EstimatorName, FusedLmHead, LossName, ParamDtype, Positions, Precision, validate
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.fused import FusedTeacher, fused_accumulate, unsupported_reason
+from opd_exp.training.monitors import Monitors, Tally
 from opd_exp.training.objective import Objective
 from opd_exp.training.rollout import generate
 from opd_exp.training.scoring import student_logits, teacher_logits
@@ -34,16 +35,18 @@ COMBOS = list(_combos())
 
 def _both_paths(pair, cfg, batch, on_policy, chunk):
     ro, V = cfg.rollout, pair.vocab_size
-    objective = Objective(cfg)
+    objective, monitors = Objective(cfg), Monitors(cfg)
     student = pair.student
     n = batch.num_response_tokens + 3  # a global count larger than this micro-batch's
 
     student.zero_grad(set_to_none=True)
     zs = student_logits(student, batch, V, temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p)
     zt = teacher_logits(pair.teacher, batch, V, temperature=cfg.divergence.temperature)
-    ref = objective(
-        zs, zt, batch.response_ids, batch.response_mask, on_policy=on_policy, normalizer=n, engine_logprobs=batch.sampling_logprobs
-    )
+    ref = objective(zs, zt, batch.response_ids, batch.response_mask, on_policy=on_policy, normalizer=n)
+    tally = Tally()
+    tally.add(ref)
+    tally.add(monitors(zs, zt, ref, engine_logprobs=batch.sampling_logprobs))
+    ref.sums, ref.maxes = dict(tally), tally.maxes
     ref.loss.backward()
     ref_grads = {k: p.grad.clone() for k, p in student.named_parameters()}
 
@@ -51,6 +54,7 @@ def _both_paths(pair, cfg, batch, on_policy, chunk):
     teacher = FusedTeacher(pair.teacher, V, temperature=cfg.divergence.temperature, device="cpu")
     out = fused_accumulate(
         objective,
+        monitors,
         student,
         teacher,
         batch,

@@ -17,6 +17,7 @@ from helpers.fake_vllm import FakeVllm
 from helpers.tiny import AddTask, small_config
 from opd_exp.config.schema import TeacherConfig, TeacherName
 from opd_exp.runtime.errors import ConfigError
+from opd_exp.training.monitors import Monitors
 from opd_exp.training.objective import Objective
 from opd_exp.training.scoring import TeacherScores, dense_from_topk, teacher_topk, token_logprobs
 from opd_exp.training.teacher_served import ServedTeacher, TeacherUnavailable, probe_batch
@@ -76,6 +77,8 @@ def test_sparse_topk_equals_dense_topk(divergence, credit, float64_default):
     dense = Objective(cfg)(zs, zt, y, mask, on_policy=True, normalizer=7)
     (g_dense,) = torch.autograd.grad(dense.loss, zs)
     sparse = Objective(cfg, teacher_k=k, vocab_size=V)(zs, _sparse(zt, y, k), y, mask, on_policy=True, normalizer=7)
+    dense.sums.update(Monitors(cfg)(zs, zt, dense).sums)
+    sparse.sums.update(Monitors(cfg, sparse=True)(zs, _sparse(zt, y, k), sparse).sums)
     (g_sparse,) = torch.autograd.grad(sparse.loss, zs)
     assert float(sparse.loss.detach()) == float(dense.loss.detach())
     assert torch.equal(g_sparse, g_dense)

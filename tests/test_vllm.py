@@ -17,7 +17,7 @@ import torch
 from helpers.tiny import small_config
 from opd_exp.config import schema as S
 from opd_exp.runtime.errors import ConfigError
-from opd_exp.training.objective import logprob_gap
+from opd_exp.training.monitors import logprob_gap
 from opd_exp.training.rollout import sampling_logits
 from opd_exp.training.rollout_vllm import NEUTRAL_SAMPLING, PROCESSED, VllmRollout, require_vllm
 from opd_exp.training.scoring import student_logits, token_logprobs

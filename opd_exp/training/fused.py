@@ -30,7 +30,8 @@ import torch
 
 from opd_exp.divergences.full import default_chunk_size
 from opd_exp.training.evaluate import ENTROPY
-from opd_exp.training.objective import Objective, Output, Tally, position_mask
+from opd_exp.training.monitors import Monitors, Tally
+from opd_exp.training.objective import Objective, Output, position_mask
 from opd_exp.training.rollout import Batch, sampling_logits
 from opd_exp.training.scoring import entropy
 
@@ -113,6 +114,7 @@ def _chunks(mask: torch.Tensor, per_token: bool, positions: int):
 
 def fused_accumulate(
     objective: Objective,
+    monitors: Monitors,
     student,
     teacher: FusedTeacher,
     batch: Batch,
@@ -127,7 +129,7 @@ def fused_accumulate(
     autocast=contextlib.nullcontext,
     check_teacher=None,
 ) -> Output:
-    """Objective, metrics and the whole backward of one micro-batch through the fused path.
+    """Objective, monitors and the whole backward of one micro-batch through the fused path.
 
     Gradients land in the student's ``.grad`` (as ``objective(...).loss.backward()`` would put
     them); the returned loss is detached.
@@ -164,7 +166,7 @@ def fused_accumulate(
             zs = sampling_logits(lm_head_logits(hc, head, vocab_size), temperature, top_k, top_p)
         yc, mc = pick(y), pick(mask)
         lp_c = None if engine_lp is None else pick(engine_lp)
-        out = objective(zs, zt, yc, mc, on_policy=on_policy, normalizer=normalizer, engine_logprobs=lp_c, counted=pick(counted))
+        out = objective(zs, zt, yc, mc, on_policy=on_policy, normalizer=normalizer, counted=pick(counted))
         out.loss.backward()  # into head.weight.grad (and bias), and hc.grad
         if cols is not None:
             grad_h[rows, cols] += hc.grad.squeeze(0)
@@ -172,6 +174,7 @@ def fused_accumulate(
             grad_h[rows] += hc.grad
         loss_total += out.loss.detach().double()
         tally.add(out)
+        tally.add(monitors(zs, zt, out, engine_logprobs=lp_c))
         del zs, zt, out, hc
     h_student.backward(grad_h)  # through the backbone (and a tied embedding's input side)
     return Output(loss=loss_total.float(), sums=dict(tally), counts=tally.counts, maxes=tally.maxes)

@@ -22,17 +22,15 @@ adds the exact filtered-mass term F (``divergences.filtered``), which a sampled 
 see; a sampled token the trainer's distribution gives probability 0 (engine numerics at the
 filter boundary) is kept out of the loss and the metrics and counted.
 
-Monitors beside the estimates, on the step's own rollout (no grad, chunked): the exact
-divergences (``exact/*``), the teacher's entropy, the top-k agreement of the two
-distributions (``overlap/*``), and how far the engine's log-probs of its samples are from
-the trainer's (``rollout/logprob_gap``).
+The monitors (``exact/*``, entropies, ``overlap/*``, ``rollout/logprob_gap``) are not the
+objective's: ``training/monitors.py`` computes them beside it, from its ``Output``.
 
 The teacher comes as ``TeacherScores``: dense logits (in-process), or a sparse payload (a
 served teacher: top-k ids and log-probs, the sampled token's log-prob). A sparse teacher whose
 k does not cover the vocabulary feeds the estimators that need no more than that
 (``topk``/``topk_renorm``, and ``sampled``); whatever needs the teacher's whole distribution
 (``exact/*``, ``teacher/entropy``, ``overlap/*``, the filtered-mass term, off-policy steps) is
-refused at start-up or not logged (``SPARSE_DROPPED``).
+refused at start-up or not logged (``monitors.TOKEN_METRICS``).
 """
 
 from __future__ import annotations
@@ -44,28 +42,10 @@ import torch
 from opd_exp.config.schema import Credit, EstimatorName, LossName, TrainConfig
 from opd_exp.divergences import filtered_value, get_divergence, sequence_returns, topk_estimate
 from opd_exp.runtime.errors import ConfigError
-from opd_exp.training.monitors import step_monitors
-from opd_exp.training.scoring import TeacherScores, entropy, token_logprobs
+from opd_exp.training.monitors import OUTSIDE, exact_divergences, metric_beta, step_monitors, token_metric_names
+from opd_exp.training.scoring import TeacherScores, token_logprobs
 
-# Per-token metrics summed over response tokens (divide by the global token count).
-TOKEN_METRICS = (
-    "jsd/mean",
-    "kl/reverse",
-    "kl/forward",
-    "advantages/mean",
-    "student/logprob_mean",
-    "teacher/logprob_mean",
-    "student/entropy",
-)
-# Exact over the vocabulary on the step's own rollout (trainer.exact_metrics).
-EXACT_METRICS = ("exact/jsd", "exact/kl_reverse", "exact/kl_forward")
-# Per-token agreement of student and teacher (always on).
-AGREEMENT_METRICS = ("teacher/entropy", "overlap/teacher_mass", "overlap/student_mass", "overlap/ratio")
-# Under top-k / top-p KL(T||S) is infinite wherever the teacher has mass the filter removed:
-# these are not logged then (never a large finite stand-in).
-FORWARD_KL_METRICS = ("kl/forward", "exact/kl_forward")
-# Need the teacher's whole distribution: not logged with a sparse teacher (k < V).
-SPARSE_DROPPED = EXACT_METRICS + AGREEMENT_METRICS
+__all__ = ["Objective", "Output", "metric_beta", "position_mask", "ppo_surrogate"]
 
 
 def position_mask(mask: torch.Tensor, positions: str, fraction: float) -> torch.Tensor:
@@ -95,46 +75,14 @@ class Output:
     sums: dict[str, float]  # metric name -> sum over response tokens
     counts: dict[str, float] = field(default_factory=dict)  # metric name -> a count (not divided)
     maxes: dict[str, float] = field(default_factory=dict)  # metric name -> a maximum over tokens
-    # student-sampled batches, per position [N, R] (detached): the advantages, the positions the
-    # loss counts, the log-probs log S(y) of this forward (PPO's behaviour log-probs)
+    # per position [N, R] (detached): the advantages, the positions the loss counts, the log-probs
+    # log S(y) of this forward (PPO's behaviour log-probs), the tokens the metrics count
     advantages: torch.Tensor | None = None
     counted: torch.Tensor | None = None
     logprobs: torch.Tensor | None = None
-
-
-class Tally(dict):
-    """A step's metrics over its micro-batches: per-token sums (the dict itself), counts
-    (``rollout/outside_filter_tokens``; also values already final, never divided: ``ppo/*``)
-    and maxima (``rollout/logprob_gap_max``)."""
-
-    def __init__(self, sums=(), counts=None, maxes=None):
-        super().__init__(sums)
-        self.counts: dict[str, float] = dict(counts or {})
-        self.maxes: dict[str, float] = dict(maxes or {})
-
-    def add(self, out: Output) -> None:
-        for k, v in out.sums.items():
-            self[k] = self.get(k, 0.0) + v
-        for k, v in out.counts.items():
-            self.counts[k] = self.counts.get(k, 0.0) + v
-        for k, v in out.maxes.items():
-            self.maxes[k] = max(self.maxes.get(k, v), v)
-
-    def metrics(self, n_tokens: int) -> dict[str, float]:
-        """Per-token means over the step's ``n_tokens`` response tokens, then counts and maxima."""
-        return {**{k: v / max(n_tokens, 1) for k, v in self.items()}, **self.counts, **self.maxes}
-
-
-def metric_beta(cfg: TrainConfig) -> float:
-    """`jsd/mean` is at the configured beta for jsd (and jsd_legacy), and at 0.5 for every other divergence."""
-    return cfg.divergence.beta if cfg.divergence.name.value in ("jsd", "jsd_legacy") else 0.5
-
-
-def logprob_gap(engine_lp: torch.Tensor, trainer_lp: torch.Tensor, mask: torch.Tensor) -> tuple[float, float]:
-    """(sum, max) over response tokens of |engine log-prob - trainer log-prob|."""
-    m = mask.bool()
-    gap = (engine_lp.to(trainer_lp.device).float() - trainer_lp.detach().float()).abs()[m]
-    return float(gap.sum()), float(gap.max()) if gap.numel() else 0.0
+    kept: torch.Tensor | None = None
+    on_policy: bool = True
+    exact: dict[str, torch.Tensor] = field(default_factory=dict)  # exact/* values already computed here
 
 
 def check_sparse_teacher(cfg: TrainConfig, k: int, vocab_size: int) -> None:
@@ -174,20 +122,13 @@ class Objective:
         self.jsd = get_divergence("jsd", beta=metric_beta(cfg))
         self.rkl = get_divergence("rkl")
         self.fkl = get_divergence("fkl")
-        # rkl and fkl first: jsd's rows_value works in place on the buffers it gets
-        self.exact_order = {"exact/kl_reverse": self.rkl, "exact/kl_forward": self.fkl, "exact/jsd": self.jsd}
-        # the exact/* names whose divergence is the trained one (same class and parameters)
+        # the exact divergences (a teacher-sampled step's estimates), and those that are the trained one
+        self.exact_order = exact_divergences(cfg)
         self.exact_is_trained = {n for n, d in self.exact_order.items() if type(d) is type(self.div) and d.params() == self.div.params()}
         self.filtered = cfg.rollout.filtered  # top-k/top-p: values need the filtered-mass term
+        self.names = token_metric_names(cfg, sparse=self.sparse, by="objective")
         # the clip bites only where a sampled cost is used: estimator=sampled, and topk's tail
         self.report_clip = cfg.divergence.name.value == "fkl" and cfg.divergence.clip is not None
-
-    @property
-    def token_metric_names(self) -> tuple[str, ...]:
-        """The per-token metrics this objective reports on a student-sampled step."""
-        agreement = AGREEMENT_METRICS if self.cfg.trainer.overlap_k else AGREEMENT_METRICS[:1]  # k=0: teacher entropy only
-        names = [*TOKEN_METRICS, *(EXACT_METRICS if self.cfg.trainer.exact_metrics else ()), *agreement]
-        return tuple(k for k in names if not (self.filtered and k in FORWARD_KL_METRICS) and not (self.sparse and k in SPARSE_DROPPED))
 
     def __call__(
         self,
@@ -198,7 +139,6 @@ class Objective:
         *,
         on_policy: bool,
         normalizer: float,
-        engine_logprobs: torch.Tensor | None = None,
         counted: torch.Tensor | None = None,
     ) -> Output:
         """``counted``: the positions the loss counts, ``position_mask`` of the rows' whole response
@@ -240,32 +180,19 @@ class Objective:
         loss = torch.where(counted, per_token, zero).sum() / max(float(normalizer), 1.0)
 
         with torch.no_grad():
-            zs = student_z.detach()
-            exact_names = ()
-            if cfg.trainer.exact_metrics or not on_policy:  # forward KL is infinite under a filter: not computed
-                exact_names = tuple(n for n in EXACT_METRICS if not (self.filtered and n in FORWARD_KL_METRICS))
             # the exact value the loss already computed (estimator=full, or a teacher-sampled step)
-            # is not computed twice: the same chunks through the same rows_value
             known = dict.fromkeys(self.exact_is_trained, trained_exact) if trained_exact is not None else {}
-            if self.sparse:  # only the student's side exists over the whole vocabulary
-                exact_names = ()
-                ent = entropy(zs[m])
-                mon = {"student/entropy": torch.zeros(m.shape, dtype=ent.dtype, device=m.device).masked_scatter_(m, ent)}
-            else:
-                mon = step_monitors(
-                    zs,
-                    teacher_z,
-                    m,
-                    divergences={n: d for n, d in self.exact_order.items() if n in exact_names and n not in known},
-                    k=cfg.trainer.overlap_k,
-                    chunk_rows=chunk,
-                )
-            exact = {n: known.get(n, mon.get(n)) for n in exact_names}
             if on_policy:  # unbiased single-sample estimates under y ~ S
-                jsd, rkl = (self.value(d, s0, t, zs, teacher_z, m) for d in (self.jsd, self.rkl))
+                exact = known
+                jsd, rkl = (self.value(d, s0, t, student_z.detach(), teacher_z, m) for d in (self.jsd, self.rkl))
                 fkl = None if self.filtered else self.fkl.token_value(s0, t)
-            else:  # y is the teacher's: estimate exactly over the vocabulary instead
-                jsd, rkl, fkl = (exact.get(k) for k in EXACT_METRICS)
+            else:  # y is the teacher's: estimate exactly over the vocabulary instead, in one pass
+                todo = {n: d for n, d in self.exact_order.items() if n not in known}
+                exact = {
+                    **known,
+                    **step_monitors(student_z.detach(), teacher_z, m, divergences=todo, k=0, chunk_rows=chunk, entropies=False),
+                }
+                jsd, rkl, fkl = (exact.get(k) for k in ("exact/jsd", "exact/kl_reverse", "exact/kl_forward"))
             values = {
                 "jsd/mean": jsd,
                 "kl/reverse": rkl,
@@ -273,26 +200,24 @@ class Objective:
                 "advantages/mean": advantages,
                 "student/logprob_mean": s0,
                 "teacher/logprob_mean": t,
-                "student/entropy": mon["student/entropy"],
             }
-            if cfg.trainer.exact_metrics and not self.sparse:
-                values.update(exact)
-            values.update({n: mon[n] for n in AGREEMENT_METRICS if n in mon})
-            if self.filtered:
-                for k in FORWARD_KL_METRICS:
-                    values.pop(k, None)
+            values = {k: v for k, v in values.items() if k in self.names}
             if clipped is not None:
                 values["cost/clipped_frac"] = clipped.to(s0.dtype)
             sums = {k: float(torch.where(m, v.to(zero.dtype), zero).sum()) for k, v in values.items()}
             sums["student/logprob_mean"] = float(torch.where(m & ~outside, s0, zero).sum())
-            counts = {"rollout/outside_filter_tokens": float(outside.sum())} if on_policy else {}
-            maxes = {}
-            if engine_logprobs is not None and on_policy:  # the engine's log-probs of its samples vs ours
-                gap_sum, gap_max = logprob_gap(engine_logprobs, s0, m)
-                sums["rollout/logprob_gap"], maxes["rollout/logprob_gap_max"] = gap_sum, gap_max
-        if not on_policy:
-            return Output(loss=loss, sums=sums, counts=counts, maxes=maxes)
-        return Output(loss=loss, sums=sums, counts=counts, maxes=maxes, advantages=advantages.detach(), counted=counted, logprobs=s0)
+            counts = {OUTSIDE: float(outside.sum())} if on_policy else {}
+        return Output(
+            loss=loss,
+            sums=sums,
+            counts=counts,
+            advantages=advantages.detach(),
+            counted=counted,
+            logprobs=s0,
+            kept=m,
+            on_policy=on_policy,
+            exact=exact,
+        )
 
     def value(self, d, s, t, student_z, teacher_z, m) -> torch.Tensor:
         """Unbiased one-sample estimate of D_t: phi(y)/S(y), plus the filtered mass under top-k/top-p."""
@@ -347,4 +272,3 @@ class Objective:
             per_token = kl_coef * surrogate
         # the exact D per position, for the monitors (estimator=full only; topk's value is an estimate)
         return per_token, -kl_coef * (value + future), clipped, value if est is EstimatorName.full else None
-

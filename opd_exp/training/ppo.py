@@ -36,7 +36,8 @@ import torch
 
 from opd_exp.config.schema import TrainConfig
 from opd_exp.runtime.guards import NonFinite, nonfinite_summary
-from opd_exp.training.objective import Objective, Tally, ppo_surrogate
+from opd_exp.training.monitors import Monitors, Tally
+from opd_exp.training.objective import Objective, ppo_surrogate
 from opd_exp.training.rollout import Batch
 from opd_exp.training.scoring import dropout_off, token_logprobs
 
@@ -79,6 +80,7 @@ class PpoUpdates:
         self,
         cfg: TrainConfig,
         objective: Objective,
+        monitors: Monitors,
         *,
         student,
         student_logits: Callable[[Batch], torch.Tensor],
@@ -87,7 +89,7 @@ class PpoUpdates:
         params: list[torch.nn.Parameter],
         warn: Callable[[str], None],
     ):
-        self.cfg, self.objective, self.student, self.student_logits = cfg, objective, student, student_logits
+        self.cfg, self.objective, self.monitors, self.student, self.student_logits = cfg, objective, monitors, student, student_logits
         self.teacher_scorer, self.optimizer, self.params, self.warn = teacher_scorer, optimizer, params, warn
         self.last_updates: list[dict[str, float]] = []  # per update of the last step (tests, debugging)
 
@@ -163,16 +165,9 @@ class PpoUpdates:
                     raise NonFinite(f"teacher log-probs are not finite at step {step} ({bad} teacher logits)")
                 with torch.no_grad(), dropout_off(self.student):
                     zs = self.student_logits(mb)
-                    out = self.objective(
-                        zs,
-                        scores,
-                        mb.response_ids,
-                        mb.response_mask,
-                        on_policy=True,
-                        normalizer=n_tokens,
-                        engine_logprobs=mb.sampling_logprobs,
-                    )
+                    out = self.objective(zs, scores, mb.response_ids, mb.response_mask, on_policy=True, normalizer=n_tokens)
                 tally.add(out)
+                tally.add(self.monitors(zs, scores, out, engine_logprobs=mb.sampling_logprobs))
                 pieces.append(Piece(mb, out.logprobs, out.advantages, out.counted))
                 del zs, scores
         finally:

@@ -49,16 +49,14 @@ from opd_exp.training.advice import EvalRise
 from opd_exp.training.engines import build_student_engine, in_process_engine, pair_record, require_extras, use_fused_lm_head
 from opd_exp.training.evaluate import Evaluator
 from opd_exp.training.memory import check_step_memory
-from opd_exp.training.objective import TOKEN_METRICS, Objective, Tally, metric_beta
+from opd_exp.training.monitors import Monitors, Tally
+from opd_exp.training.objective import Objective, metric_beta
 from opd_exp.training.ppo import PpoUpdates
 from opd_exp.training.rollout import HfRollout, checkpoint_sampling_settings
 from opd_exp.training.scoring import dropout_off, student_logits
 from opd_exp.training.state import DataCursor, TrainState
 from opd_exp.training.teacher_served import TeacherUnavailable
 from opd_exp.training.teachers import build_teacher_scorer, sparse_teacher_k
-
-# rollout/logprob_gap above this (nats per token): the engine samples another distribution
-LOGPROB_GAP_WARN = 1e-3
 
 
 class Trainer:
@@ -114,7 +112,7 @@ class Trainer:
         self.teacher_scorer = build_teacher_scorer(
             cfg, self.teacher, self.tokenizer, self.vocab_size, device=teacher_device, autocast=self.autocast, warn=self.warn
         )
-        self.token_metrics = tuple(k for k in TOKEN_METRICS if k in self.objective.token_metric_names)
+        self.monitors = Monitors(cfg, sparse=self.objective.sparse)  # exact/*, entropies, overlap/*, the log-prob gap
         for who, model in (("student", pair.student), ("teacher", pair.teacher)):
             ignored = checkpoint_sampling_settings(model)
             if ignored:
@@ -163,6 +161,7 @@ class Trainer:
             self.ppo = PpoUpdates(
                 cfg,
                 self.objective,
+                self.monitors,
                 student=self.student,
                 student_logits=lambda b: self._student_logits(self.train_module, b),
                 teacher_scorer=self.teacher_scorer,
@@ -334,19 +333,12 @@ class Trainer:
             with dropout_off(self.student):  # forward and backward: a recompute sees the same modes
                 with dist_util.no_sync(self.train_module, ds, last=last):
                     zs = self._student_logits(self.train_module, mb)
-                out = self.objective(
-                    zs,
-                    zt,
-                    mb.response_ids,
-                    mb.response_mask,
-                    on_policy=batch.source == "student",
-                    normalizer=n_tokens,
-                    engine_logprobs=mb.sampling_logprobs,
-                )
+                out = self.objective(zs, zt, mb.response_ids, mb.response_mask, on_policy=batch.source == "student", normalizer=n_tokens)
                 with dist_util.no_sync(self.train_module, ds, last=last):
                     (out.loss * ds.world_size if ds.active else out.loss).backward()
             loss_total += float(out.loss.detach())
             tally.add(out)
+            tally.add(self.monitors(zs, zt, out, engine_logprobs=mb.sampling_logprobs))
         return loss_total, tally
 
     def _fused(self, mb, on_policy: bool, n_tokens: int):
@@ -360,6 +352,7 @@ class Trainer:
         ro = self.cfg.rollout
         return fused_accumulate(
             self.objective,
+            self.monitors,
             self.student,
             self.fused_teacher,
             mb,
@@ -394,18 +387,6 @@ class Trainer:
                 autocast=self.autocast,
             )
 
-    def _reduce(self, loss: float, tally: Tally) -> tuple[float, Tally]:
-        """Token-weighted over ranks: sums of per-token values, divided later by the global count;
-        counts summed, maxima the largest of any rank."""
-        if not self.dist.active:
-            return loss, tally
-        keys = self.token_metrics
-        loss, *vals = dist_util.all_reduce_sum([loss, *(tally.get(k, 0.0) for k in keys)], self.dist)
-        extra = sorted(set(tally) - set(keys))
-        counts = dist_util.reduce_sums(tally.counts, sorted(tally.counts), self.dist)
-        maxes = dict(zip(sorted(tally.maxes), dist_util.all_reduce_max([tally.maxes[k] for k in sorted(tally.maxes)], self.dist)))
-        return loss, Tally({**dict(zip(keys, vals)), **dist_util.reduce_sums(tally, extra, self.dist)}, counts, maxes)
-
     def train_step(self) -> dict[str, float]:
         tc, guard = self.cfg.trainer, self.state.guard
         t0 = time.perf_counter()
@@ -424,12 +405,12 @@ class Trainer:
                 if self.ppo is not None:  # its own optimizer steps; problem: none of them applied
                     loss, tally, grad_norm, problem = self.ppo.step(batch, n_global, step)
                 else:
-                    loss, tally = self._reduce(*self.accumulate(batch, n_global))
+                    loss, tally = self.monitors.reduce(*self.accumulate(batch, n_global), self.dist)
                     max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
                     grad_norm = dist_util.grad_norm_value(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
             except NonFinite as ex:
                 loss, grad_norm, problem = float("nan"), float("nan"), str(ex)
-                tally = Tally({k: float("nan") for k in self.token_metrics})
+                tally = Tally({k: float("nan") for k in self.monitors.names})
             if problem is None and not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 problem = f"loss={loss}, grad/norm={grad_norm}"
         if problem is None and n_global and self.ppo is None:  # a non-finite loss or gradient never reaches the weights
@@ -444,14 +425,8 @@ class Trainer:
         self.state.step += 1
         dt = time.perf_counter() - t0
         metrics = tally.metrics(n_global)
-        gap = metrics.get("rollout/logprob_gap", 0.0)
-        if gap > LOGPROB_GAP_WARN and "logprob_gap" not in self._warned:  # once per run: the metric tracks it
-            self._warned.add("logprob_gap")
-            self.warn(
-                f"opd-train: warning: step {step}: rollout/logprob_gap={gap:.2e} > {LOGPROB_GAP_WARN:g} "
-                f"(max {metrics.get('rollout/logprob_gap_max', gap):.2e}): the rollout engine's log-probs of its samples "
-                "differ from the trainer's, so the trained distribution is not the sampled one (said once; watch the metric)"
-            )
+        if line := self.monitors.gap_warning(metrics, step):
+            self.warn(line)
         metrics.update(
             {
                 "loss": loss,
@@ -468,7 +443,7 @@ class Trainer:
                 "perf/rollout_s": t_rollout,
             }
         )
-        for k in self.token_metrics:
+        for k in self.monitors.names:
             metrics.setdefault(k, 0.0)
         return metrics
 
