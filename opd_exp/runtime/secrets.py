@@ -11,17 +11,25 @@ from typing import Any
 
 REDACTED = "<redacted>"
 # config keys and environment variables whose values are credentials
-# ("token" alone: hf_token, HF_TOKEN, access_token; not max_new_tokens, tokenizer, pad_token_id)
-SECRET_NAME = re.compile(r"(api[_-]?key|(?<![a-z])token(?![a-z]|_id)|secret|password|passwd|credential)", re.IGNORECASE)
+# ("token" alone: hf_token, HF_TOKEN, access_token; not max_new_tokens, tokenizer, pad_token_id;
+# a name ending in _KEY or _PAT: SERVICE_KEY, GITHUB_PAT; not exclude_keys, LD_LIBRARY_PATH)
+SECRET_NAME = re.compile(
+    r"(api[_-]?key|(?<![a-z])token(?![a-z]|_id)|secret|password|passwd|credential|[_-](?:key|pat)(?![a-z0-9_]))", re.IGNORECASE
+)
 # values shaped like a credential wherever they appear: Hugging Face (hf_...), OpenAI-style
-# (sk-..., sk-proj-...) access tokens
-TOKEN_SHAPE = re.compile(r"(?<![A-Za-z0-9])(?:hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,})")
+# (sk-..., sk-proj-...), GitHub (ghp_/gho_/ghu_/ghs_/ghr_..., github_pat_...), AWS access key
+# ids (AKIA/ASIA + 16), Slack (xoxb-, xoxp-, xoxa-, xoxs-, xoxo-)
+TOKEN_SHAPE = re.compile(
+    r"(?<![A-Za-z0-9])(?:hf_[A-Za-z0-9]{20,}|sk-[A-Za-z0-9_-]{20,}|gh[pousr]_[A-Za-z0-9]{30,}|github_pat_[A-Za-z0-9_]{22,}"
+    r"|(?:AKIA|ASIA)[0-9A-Z]{16}(?![0-9A-Z])|xox[bpaso]-[A-Za-z0-9-]{10,})"
+)
 # a W&B API key is 40 hex digits; so is a git commit id, so this shape is redacted only where
 # a commit id has no business (a run's name, tags and group)
 WANDB_KEY_SHAPE = re.compile(r"(?<![0-9a-fA-F])[0-9a-f]{40}(?![0-9a-fA-F])")
-# where a record sets a run's label (`name: ...`, `name=...`, `logger.tags=[...]`, `group: ...`),
+# where a record sets a run's label (`name: ...`, `name=...`, `logger.tags=[...]`, `group: ...`,
+# `project: ...`: a pasted W&B key there is a key),
 # also inside Hydra's comma-joined `override_dirname`
-_LABEL_VALUE = re.compile(r"(?<![\w.])[+~]*(?:logger\.)?(?:name|group|tags)[ \t]*[:=][ \t]*(?:\[[^\]\n]*\]|[^,\s\]]*)")
+_LABEL_VALUE = re.compile(r"(?<![\w.])[+~]*(?:logger\.)?(?:name|group|tags|project|entity)[ \t]*[:=][ \t]*(?:\[[^\]\n]*\]|[^,\s\]]*)")
 # `key: value` / `key=value` where the key looks like a credential (YAML records, argv)
 _SECRET_ASSIGNMENT = re.compile(
     r"(?P<key>[\w.+~/-]*(?:" + SECRET_NAME.pattern + r")[\w.-]*)(?P<sep>\s*[=:]\s*)[^\s,'\"\]}]+", re.IGNORECASE

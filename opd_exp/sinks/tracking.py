@@ -436,6 +436,11 @@ class WandbSink(Sink):
         overrides=None,
     ):
         run_dir = Path(run_dir)
+        for key, value in (("logger.project", project), ("logger.entity", entity)):
+            if value and redact_label(str(value)) != str(value):  # a pasted API key would be W&B's folder name
+                raise TrackingError(
+                    f"{key}: the value looks like a credential (an API key or token, not shown); allowed: a W&B {key[7:]} name"
+                )
         job = hydra_job()
         config = scrub(plain_config(config or {}))
         if "name" in config:

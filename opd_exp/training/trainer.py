@@ -44,6 +44,7 @@ from opd_exp.runtime import distributed as dist_util
 from opd_exp.runtime import precision as prec
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.runtime.guards import Diverged, NonFinite, Preempted, PreemptionGuard, StepGuard, nonfinite_summary
+from opd_exp.runtime.secrets import scrub_text
 from opd_exp.sinks import JsonlSink, MultiSink, Progress, Sink
 from opd_exp.training.advice import EvalRise
 from opd_exp.training.engines import build_student_engine, in_process_engine, pair_record, require_extras, use_fused_lm_head
@@ -220,7 +221,7 @@ class Trainer:
         if not self.dist.is_main:
             return
         with contextlib.suppress(OSError), open(self.run_dir / "train.log", "a", encoding="utf-8") as f:
-            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}\n")
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {scrub_text(line)}\n")  # e.g. a token in the run folder's path
 
     def _warn_once(self, kind: str, text: str) -> None:
         if kind not in self._warned:
