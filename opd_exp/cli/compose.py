@@ -124,7 +124,9 @@ def build_inputs(cfg: TrainConfig) -> dict:
                 f"task: {cfg.task.name!r} has no {split} problems (empty dataset or split); allowed: a task with at least one"
             )
     device = distributed.device_for(cfg.trainer.device, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
-    return {"task": task, "pair": load_pair(cfg.model_pair, cfg.task, device)}
+    pair = load_pair(cfg.model_pair, cfg.task, device)
+    task.check_tokenizer(pair.tokenizer)  # e.g. a chat task on a tokenizer without a chat template
+    return {"task": task, "pair": pair}
 
 
 def check_device(device: str, local_rank: int = 0) -> None:

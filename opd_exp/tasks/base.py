@@ -97,6 +97,10 @@ class Task(ABC):
         """The text fed to the model: the chat template when the tokenizer has one."""
         return render_prompt(problem.prompt, tokenizer)
 
+    def check_tokenizer(self, tokenizer: Any) -> None:
+        """Refuse (``ConfigError``) a tokenizer this task cannot be asked through; any by default."""
+        return None
+
 
 def render_prompt(prompt: str, tokenizer: Any) -> str:
     """Apply the tokenizer's chat template (user turn + generation prompt) when it has one."""

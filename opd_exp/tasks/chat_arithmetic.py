@@ -52,6 +52,17 @@ class ChatArithmeticTask(ArithmeticTask):
     def eval_problems(self) -> list[Problem]:
         return [to_chat(p) for p in super().eval_problems()]
 
+    def check_tokenizer(self, tokenizer: Any) -> None:
+        """The task is the chat turn: a tokenizer without a chat template would silently make it
+        plain arithmetic text."""
+        if not getattr(tokenizer, "chat_template", None):
+            from opd_exp.runtime.errors import ConfigError
+
+            raise ConfigError(
+                "task=chat_arithmetic: the model pair's tokenizer has no chat template; allowed: a pair whose tokenizer has one "
+                "(model_pair=smollm2, a Qwen pair), or task=arithmetic for plain text"
+            )
+
     def render_prompt(self, problem: Problem, tokenizer: Any) -> str:
         """The chat template's user turn, then the assistant turn opened with ``<expr> = ``."""
         expr = problem.prompt.removeprefix("What is ").removesuffix("?")

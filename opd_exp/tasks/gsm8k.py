@@ -38,6 +38,8 @@ def row_to_problem(row: dict, where: str, instruction: str = "") -> Problem:
         raise ConfigError(
             f"task.path: {where} is not a GSM8K row (need 'question' and an 'answer' ending in '#### <n>'); allowed: {ALLOWED}"
         )
+    if not question.strip():
+        raise ConfigError(f"task.path: {where} has an empty question; allowed: a non-empty 'question' in every row")
     final = normalize_number(answer.rsplit("####", 1)[1])
     if final is None:
         raise ConfigError(
@@ -112,6 +114,36 @@ def _load_hub(cfg: TaskConfig, split: str) -> list[dict]:
         ) from None
 
 
+def check_duplicates(train: list[Problem], evals: list[Problem], where: str) -> None:
+    """A question in both splits (the eval would score memorised answers) or twice in the eval
+    set (counted twice) is refused; repeats within the training split are warned about once."""
+    import sys
+    from collections import Counter
+
+    def short(prompt: str) -> str:
+        return repr(prompt if len(prompt) <= 60 else prompt[:57] + "...")
+
+    seen_eval = Counter(p.prompt for p in evals)
+    twice = next((q for q, n in seen_eval.items() if n > 1), None)
+    if twice is not None:
+        raise ConfigError(
+            f"task.path: {where}: the eval question {short(twice)} appears {seen_eval[twice]} times; allowed: each question once"
+        )
+    both = next((p.prompt for p in train if p.prompt in seen_eval), None)
+    if both is not None:
+        raise ConfigError(
+            f"task.path: {where}: the question {short(both)} is in both the training and the eval split; allowed: disjoint splits"
+        )
+    repeats = sum(n - 1 for n in Counter(p.prompt for p in train).values() if n > 1)
+    if repeats:
+        print(
+            f"opd-train: warning: task.path: {where}: {repeats} training question(s) repeat an earlier one; they are kept "
+            f"(drawn more often)",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
 class GSM8KTask(Task):
     name = "gsm8k"
 
@@ -158,6 +190,7 @@ class GSM8KTask(Task):
         else:
             train = self._convert(_load_hub(cfg, cfg.train_split), f"{cfg.path}:{cfg.train_split}")
             evals = self._convert(_load_hub(cfg, cfg.eval_split), f"{cfg.path}:{cfg.eval_split}")
+        check_duplicates(train, evals, path)
         if cfg.n_eval:
             evals = evals[: cfg.n_eval]
         # Training order is drawn by task.seed; the eval order stays as stored.
