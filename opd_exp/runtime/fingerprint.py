@@ -71,9 +71,40 @@ def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix[:-1]: obj}
 
 
+# A local teacher folder's content (``teacher_content``): replacing the weights in the same folder
+# is another teacher, which a resume must not take in silence.
+TEACHER_CONTENT = "model_pair.teacher_sha256"
+_FILE_HASHES: dict[tuple, str] = {}  # (path, size, mtime, inode) -> SHA-256: each file hashed once per process
+
+
+def teacher_content(spec: Any) -> str | None:
+    """SHA-256 over a local teacher folder's files (relative names and bytes; dot-files such as
+    ``.cache/`` left out), or None for a hub id or a prepared pair (``embedded:``, ``smollm2:``),
+    whose identity is its id or its recipe."""
+    from opd_exp.runtime.files import sha256_file
+
+    folder = Path(spec).expanduser() if isinstance(spec, str) and spec else None
+    if folder is None or not folder.is_dir():
+        return None
+    h = hashlib.sha256()
+    for f in sorted(folder.rglob("*")):
+        rel = f.relative_to(folder)
+        if any(part.startswith(".") for part in rel.parts) or not f.is_file():
+            continue
+        st = f.stat()
+        key = (str(f.resolve()), st.st_size, st.st_mtime_ns, st.st_ino)
+        if key not in _FILE_HASHES:
+            _FILE_HASHES[key] = sha256_file(f)
+        h.update(f"{rel.as_posix()} {_FILE_HASHES[key]}\n".encode())
+    return h.hexdigest()
+
+
 def config_fingerprint(cfg: Any) -> dict[str, Any]:
-    """The settings of ``cfg`` (a TrainConfig) that shape the run, flattened and JSON-able."""
+    """The settings of ``cfg`` (a TrainConfig) that shape the run, flattened and JSON-able; a
+    local teacher folder also by its content (``TEACHER_CONTENT``)."""
     flat = flatten(scrub(plain_config(cfg)))
+    if (content := teacher_content(flat.get("model_pair.teacher"))) is not None:
+        flat[TEACHER_CONTENT] = content
     if flat.get("teacher.name", "in_process") == "in_process":  # the default: fingerprints as before the group existed
         flat = {k: v for k, v in flat.items() if not k.startswith("teacher.")}
     return {k: v for k, v in sorted(flat.items()) if k not in IGNORED and not k.startswith(IGNORED_PREFIXES)}
@@ -94,7 +125,9 @@ def differences(stored: dict[str, Any], current: dict[str, Any], defaults: dict[
     return {
         k: (stored.get(k), current.get(k))
         for k in keys
-        if stored.get(k) != current.get(k) and not (k not in stored and k in defaults and current.get(k) == defaults[k])
+        if stored.get(k) != current.get(k)
+        and not (k not in stored and k in defaults and current.get(k) == defaults[k])
+        and not (k == TEACHER_CONTENT and k not in stored)  # a checkpoint from before the teacher's hash was kept
     }
 
 
