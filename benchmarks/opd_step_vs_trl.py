@@ -253,7 +253,7 @@ def run_floor(root: Path, div: str, a) -> dict:
         tr.optimizer.zero_grad(set_to_none=True)
         zt = tr.teacher_scorer.logits(batch)
         with dropout_off(tr.student):
-            zs = tr._student_logits(tr.train_module, batch)
+            zs = tr.student_logits(tr.train_module, batch)
             loss = d.full(zs, zt, mask=batch.response_mask.bool()).sum() / n
             loss.backward()
         times.append((time.process_time() - c0, time.perf_counter() - w0))

@@ -115,8 +115,8 @@ def worker_opd(steps: int, overrides: list[str], server_pid: int | None) -> list
     trainer = Trainer(cfg, Path(tempfile.mkdtemp(prefix="opd-bench-")), pair=pair, task=task)
     rollout, teacher = Timer(), Timer()
     trainer.sample = rollout.wrap(trainer.sample)
-    if trainer.fused_teacher is not None:
-        trainer.fused_teacher.hidden = teacher.wrap(trainer.fused_teacher.hidden)
+    if (fused_teacher := getattr(trainer.head, "teacher", None)) is not None:  # the fused head's
+        fused_teacher.hidden = teacher.wrap(fused_teacher.hidden)
     else:
         submit = trainer.teacher_scorer.submit
 

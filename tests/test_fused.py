@@ -14,7 +14,7 @@ import torch
 from helpers.tiny import AddTask, small_config
 from opd_exp.config.schema import Credit, DivergenceName, EstimatorName, FusedLmHead, LossName, ParamDtype, Positions, Precision, validate
 from opd_exp.runtime.errors import ConfigError
-from opd_exp.training.fused import FusedTeacher, fused_accumulate, unsupported_reason
+from opd_exp.training.fused import FusedHead, FusedTeacher, fused_accumulate, unsupported_reason
 from opd_exp.training.monitors import Monitors, Tally
 from opd_exp.training.objective import Objective
 from opd_exp.training.rollout import generate
@@ -164,7 +164,7 @@ def test_fused_training_steps_equal_materialised_steps(tiny_pair, tmp_path):
         pair = copy.deepcopy(tiny_pair)
         cfg = small_config(trainer=dict(max_steps=3, fused_lm_head=mode, micro_batch_size=2, lr=0.0), estimator=dict(chunk_size=3))
         tr = Trainer(cfg, tmp_path / mode.value, pair=pair, task=AddTask())
-        assert (tr.fused_teacher is not None) == (mode is FusedLmHead.on)
+        assert isinstance(tr.head, FusedHead) == (mode is FusedLmHead.on)
         metrics = [tr.train_step() for _ in range(3)]
         runs[mode] = metrics
     for a, b in zip(runs[FusedLmHead.off], runs[FusedLmHead.on]):
@@ -188,7 +188,7 @@ def test_fused_steps_in_bf16_agree_with_materialised_to_bf16_rounding(tiny_pair,
     for mode in (FusedLmHead.off, FusedLmHead.on):
         cfg = small_config(trainer=dict(max_steps=2, fused_lm_head=mode, lr=0.0, **trainer), estimator=dict(chunk_size=3))
         tr = Trainer(cfg, tmp_path / mode.value, pair=copy.deepcopy(tiny_pair), task=AddTask())
-        assert (tr.fused_teacher is not None) == (mode is FusedLmHead.on)
+        assert isinstance(tr.head, FusedHead) == (mode is FusedLmHead.on)
         runs[mode] = [tr.train_step() for _ in range(2)]
     for a, b in zip(runs[FusedLmHead.off], runs[FusedLmHead.on]):
         assert sorted(a) == sorted(b)
@@ -232,7 +232,7 @@ def test_eval_through_the_fused_path_equals_materialised_eval(tiny_pair, tmp_pat
 
 
 def test_auto_keeps_small_vocabularies_materialised_and_on_refuses_what_it_cannot_cover(tiny_pair, tmp_path):
-    from opd_exp.training.engines import use_fused_lm_head
+    from opd_exp.training.fused import use_fused_lm_head
     from opd_exp.training.trainer import Trainer
 
     assert not use_fused_lm_head(small_config(), tiny_pair.student, tiny_pair.teacher, tiny_pair.vocab_size)  # V=18

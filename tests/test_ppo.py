@@ -92,7 +92,7 @@ def test_refused_in_one_line(changes, line):
 def test_the_fused_head_on_auto_keeps_the_materialised_path_for_several_updates():
     from types import SimpleNamespace
 
-    from opd_exp.training.engines import use_fused_lm_head
+    from opd_exp.training.fused import use_fused_lm_head
 
     def cfg(updates):
         return SimpleNamespace(
@@ -243,7 +243,7 @@ def test_each_update_is_normalised_by_its_mini_batch_token_count(pair_root, tmp_
         ref = Objective(fresh.cfg)
         with torch.no_grad():
             zt = fresh.teacher_scorer.submit(mb).result()
-        zs = fresh._student_logits(fresh.student, mb)
+        zs = fresh.student_logits(fresh.student, mb)
         ref(zs, zt, mb.response_ids, mb.response_mask, on_policy=True, normalizer=n_mb).loss.backward()
         want = [p.grad for p in fresh.params]
     for got, w in zip(opt.seen[0], want):

@@ -124,7 +124,7 @@ def test_trainer_runs_with_the_lean_engine_and_reports_the_gap(tiny_pair, tmp_pa
 
     cfg = small_config(rollout=dict(max_new_tokens=4, max_prompt_tokens=8, engine=RolloutEngine.lean), trainer=dict(max_steps=2))
     tr = Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask())
-    assert isinstance(tr.engine, LeanRollout)
+    assert isinstance(tr.engines.student, LeanRollout)
     metrics = tr.train_step()
     assert 0.0 <= metrics["rollout/logprob_gap"] < 1e-5
     assert metrics["response/length_mean"] > 0

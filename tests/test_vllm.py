@@ -297,8 +297,8 @@ def test_trainer_with_the_fake_engine_syncs_every_step(tiny_pair, add_task, tmp_
     )
     t = Trainer(cfg, tmp_path / "run", pair=tiny_pair, task=add_task)
     out = [t.train_step() for _ in range(3)]
-    assert t.engine.version == 2 and len(t.engine.llm.loads) == 3  # before steps 1, 2, 3
-    kw = t.engine.llm.kwargs
+    assert t.engines.student.version == 2 and len(t.engines.student.llm.loads) == 3  # before steps 1, 2, 3
+    kw = t.engines.student.llm.kwargs
     assert kw["model"] == "tiny-student" and kw["dtype"] == "float32"  # the student's dtype, not vLLM's "auto" (half)
     assert kw["skip_tokenizer_init"] and kw["enforce_eager"]  # token ids in and out; on CPU no compile
     for m in out:

@@ -84,8 +84,8 @@ def built(tmp_path_factory):
 def engine(built):
     """(llm, processed), as ``make_llm`` returns them."""
     trainer, kwargs = built
-    assert kwargs["dtype"] == "float32" and kwargs["skip_tokenizer_init"] and trainer.engine.processed
-    return trainer.engine.llm, trainer.engine.processed
+    assert kwargs["dtype"] == "float32" and kwargs["skip_tokenizer_init"] and trainer.engines.student.processed
+    return trainer.engines.student.llm, trainer.engines.student.processed
 
 
 def _trainer(engine, run_dir, *extra: str):
@@ -134,7 +134,7 @@ def test_the_engine_samples_the_current_student_every_step(built, straight):
     assert len(gaps) == STEPS and all(r["rollout/on_policy"] == 1.0 for r in straight)
     assert all(0.0 < g <= GAP_BOUND for g in gaps), gaps  # > 0: the engine reported log-probs
     assert all(r["response/length_mean"] > 0 for r in straight)
-    assert built[0].engine.version == STEPS - 1  # pushed before every step (versions 0..19)
+    assert built[0].engines.student.version == STEPS - 1  # pushed before every step (versions 0..19)
 
 
 def test_processed_logprobs_follow_temperature_and_top_k(engine, tmp_path):

@@ -1,18 +1,36 @@
 """Engines picked once from config: which rollout engine samples for the student and for the
-teacher, whether the LM heads run fused, and what a run records of its pair. The loop asks
+teacher, and what a run records of its pair. The loop asks
 none of these again."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from opd_exp.config.schema import TrainConfig
 from opd_exp.runtime import files
 from opd_exp.runtime import precision as prec
-from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.rollout import HfRollout, RolloutEngine
+
+
+@dataclass(frozen=True)
+class Engines:
+    """The run's rollout engines: the student's (trained on), the teacher's (on_policy_fraction < 1),
+    and greedy evaluation's (HF ``generate`` over the live modules)."""
+
+    student: RolloutEngine
+    teacher: RolloutEngine
+    eval_student: RolloutEngine
+    eval_teacher: RolloutEngine
+
+
+def build_engines(cfg: TrainConfig, student, teacher, tokenizer, vocab_size: int, *, autocast, synced_gpus: bool, warn) -> Engines:
+    own = build_student_engine(cfg, student, tokenizer, vocab_size, autocast=autocast, synced_gpus=synced_gpus, warn=warn)
+    teacher_engine = in_process_engine(cfg, teacher, tokenizer, vocab_size, source="teacher", autocast=autocast)
+    greedy = HfRollout(student, tokenizer, cfg.rollout, vocab_size, autocast=autocast)
+    return Engines(own, teacher_engine, greedy, teacher_engine)
 
 
 def require_extras(cfg: TrainConfig) -> None:
@@ -48,23 +66,6 @@ def in_process_engine(
 
         return LeanRollout(model, tokenizer, cfg.rollout, vocab_size, source=source, autocast=autocast)
     return HfRollout(model, tokenizer, cfg.rollout, vocab_size, source=source, autocast=autocast, synced_gpus=synced_gpus)
-
-
-def use_fused_lm_head(cfg: TrainConfig, student, teacher, vocab_size: int) -> bool:
-    """``trainer.fused_lm_head``: on, off, or auto (on for real vocabularies where it is exact)."""
-    from opd_exp.training.fused import AUTO_MIN_VOCAB, unsupported_reason
-
-    mode, tc = cfg.trainer.fused_lm_head.value, cfg.trainer
-    if mode == "off":
-        return False
-    reason = next((f"the {who} {r}" for who, m in (("student", student), ("teacher", teacher)) if (r := unsupported_reason(m))), None)
-    if mode == "on":
-        if reason:
-            raise ConfigError(f"trainer.fused_lm_head='on' is not allowed; allowed: auto or off here ({reason})")
-        return True
-    # several PPO updates per rollout run on the materialised path (the fused one makes one update)
-    one_update = cfg.loss.ppo_updates == 1
-    return reason is None and tc.parallel.value == "none" and not tc.lora_rank and one_update and vocab_size >= AUTO_MIN_VOCAB
 
 
 def pair_record(pair) -> dict[str, Any]:

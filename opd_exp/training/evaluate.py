@@ -14,7 +14,10 @@ from typing import Any
 
 import torch
 
-from opd_exp.divergences import Divergence
+from opd_exp.config.schema import TrainConfig
+from opd_exp.divergences import Divergence, get_divergence
+from opd_exp.runtime.errors import ConfigError
+from opd_exp.training.monitors import metric_beta
 from opd_exp.training.rollout import Batch, HfRollout, RolloutEngine, decode_responses
 from opd_exp.training.scoring import TeacherScorer, entropy
 
@@ -201,4 +204,51 @@ class Evaluator:
             correct, found if listed and extract is not None else None, [len(p.answers) for p in self.problems] if listed else None
         )
         out["eval/entropy"] = ent_sum / max(n_tok, 1)
+        return out
+
+
+def eval_problems(cfg: TrainConfig, train: Sequence[Any], evals: Sequence[Any]) -> list:
+    """The eval set (``trainer.eval_size`` of the task's eval split; 0: all of it). An empty split,
+    or an eval size larger than the split, is one line (never clipped in silence)."""
+    for split, problems in (("training", train), ("eval", evals)):
+        if not problems:
+            raise ConfigError(
+                f"task: {cfg.task.name!r} has no {split} problems (empty dataset or split); allowed: a task with at least one"
+            )
+    size = cfg.trainer.eval_size
+    if size > len(evals):
+        raise ConfigError(
+            f"trainer.eval_size={size} is more than the {len(evals)} eval problems of task {cfg.task.name!r}; "
+            f"allowed: 0 (the whole split) up to {len(evals)}, or a larger task.n_eval"
+        )
+    return list(evals[:size] if size else evals)
+
+
+class EvalDivergences(dict):
+    """The fixed eval divergences (the two KLs, and JSD at ``metric_beta``: the variant's own beta
+    for jsd, 0.5 otherwise, as ``jsd/mean``), plus ``eval/<name>`` (``own_key``): the trained
+    divergence at its own parameters (what this variant optimises). When it equals one of the
+    fixed ones (jsd at its beta, rkl, fkl) it is that value (``alias``), not a second pass."""
+
+    def __init__(self, cfg: TrainConfig):
+        super().__init__(
+            {
+                "eval/jsd": get_divergence("jsd", beta=metric_beta(cfg)),
+                "eval/kl_reverse": get_divergence("rkl"),
+                "eval/kl_forward": get_divergence("fkl"),
+            }
+        )
+        if cfg.rollout.filtered:  # KL(T||S) is infinite under a filter: not logged (docs/training.md)
+            del self["eval/kl_forward"]
+        name = cfg.divergence.name.value
+        own = get_divergence(name, **cfg.divergence.params())
+        self.own_key = f"eval/{name}"
+        self.alias = next((k for k, d in self.items() if type(d) is type(own) and d.params() == own.params()), None)
+        if self.alias is None:
+            self[self.own_key] = own
+
+    def name_own(self, out: dict[str, Any]) -> dict[str, Any]:
+        """``out`` with the trained divergence's value under its own name too (where it is an alias)."""
+        if self.alias is not None and self.alias in out:
+            out.setdefault(self.own_key, out[self.alias])
         return out

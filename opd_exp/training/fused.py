@@ -28,12 +28,14 @@ from collections.abc import Mapping
 
 import torch
 
+from opd_exp.config.schema import TrainConfig
 from opd_exp.divergences.full import default_chunk_size
+from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.evaluate import ENTROPY
 from opd_exp.training.monitors import Monitors, Tally
 from opd_exp.training.objective import Objective, Output, position_mask
 from opd_exp.training.rollout import Batch, sampling_logits
-from opd_exp.training.scoring import entropy
+from opd_exp.training.scoring import dropout_off, entropy
 
 # Below this vocabulary the [N, R, V] logits are small and the materialised path is faster
 # (one LM-head matmul instead of a Python loop over chunks): `auto` keeps it.
@@ -216,3 +218,83 @@ def fused_position_sums(
         if with_entropy:
             sums[ENTROPY] += float(entropy(zs).sum())
     return sums
+
+
+class FusedHead:
+    """The fused LM-head path, built once where ``trainer.fused_lm_head`` picks it: a training
+    micro-batch (objective, monitors, whole backward) and eval's position sums, both with dropout
+    off, from the student's and the teacher's hidden states."""
+
+    def __init__(self, objective: Objective, monitors: Monitors, student, teacher: FusedTeacher, *, rollout, autocast):
+        self.objective, self.monitors, self.student, self.teacher = objective, monitors, student, teacher
+        self.vocab_size, self.autocast = teacher.vocab_size, autocast
+        self.sampling = dict(temperature=rollout.temperature, top_k=rollout.top_k, top_p=rollout.top_p)
+        self.chunk_positions = objective.cfg.estimator.chunk_size
+
+    def accumulate(self, mbs: list[Batch], *, on_policy: bool, n_tokens: int, check_teacher) -> tuple[float, Tally]:
+        """A step's micro-batches (one process: no collectives to keep in step)."""
+        loss_total, tally = 0.0, Tally()
+        for mb in mbs:
+            if mb.num_response_tokens:
+                out = self._accumulate(mb, on_policy=on_policy, normalizer=n_tokens, check_teacher=check_teacher)
+                loss_total += float(out.loss)
+                tally.add(out)
+        return loss_total, tally
+
+    def _accumulate(self, batch: Batch, *, on_policy: bool, normalizer: float, check_teacher) -> Output:
+        with dropout_off(self.student):
+            return fused_accumulate(
+                self.objective,
+                self.monitors,
+                self.student,
+                self.teacher,
+                batch,
+                vocab_size=self.vocab_size,
+                **self.sampling,
+                on_policy=on_policy,
+                normalizer=normalizer,
+                chunk_positions=self.chunk_positions,
+                autocast=self.autocast,
+                check_teacher=check_teacher,
+            )
+
+    def position_sums(self, batch: Batch, divergences: Mapping, with_entropy: bool) -> dict[str, float]:
+        """Eval's per-position sums through the fused path (``Evaluator``'s ``position_sums``)."""
+        with dropout_off(self.student):
+            return fused_position_sums(
+                self.student,
+                self.teacher,
+                batch,
+                divergences,
+                with_entropy,
+                vocab_size=self.vocab_size,
+                **self.sampling,
+                chunk_positions=self.chunk_positions,
+                autocast=self.autocast,
+            )
+
+
+def use_fused_lm_head(cfg: TrainConfig, student, teacher, vocab_size: int) -> bool:
+    """``trainer.fused_lm_head``: on, off, or auto (on for real vocabularies where it is exact)."""
+    mode, tc = cfg.trainer.fused_lm_head.value, cfg.trainer
+    if mode == "off":
+        return False
+    reason = next((f"the {who} {r}" for who, m in (("student", student), ("teacher", teacher)) if (r := unsupported_reason(m))), None)
+    if mode == "on":
+        if reason:
+            raise ConfigError(f"trainer.fused_lm_head='on' is not allowed; allowed: auto or off here ({reason})")
+        return True
+    # several PPO updates per rollout run on the materialised path (the fused one makes one update)
+    one_update = cfg.loss.ppo_updates == 1
+    return reason is None and tc.parallel.value == "none" and not tc.lora_rank and one_update and vocab_size >= AUTO_MIN_VOCAB
+
+
+def build_fused_head(
+    cfg, objective: Objective, monitors: Monitors, student, teacher, *, vocab_size: int, device, autocast
+) -> FusedHead | None:
+    """The fused head where ``trainer.fused_lm_head`` picks it (it needs the teacher's hidden
+    states: never with a served teacher); None: the materialised path."""
+    if cfg.teacher.served or not use_fused_lm_head(cfg, student, teacher, vocab_size):
+        return None
+    fused_teacher = FusedTeacher(teacher, vocab_size, temperature=cfg.divergence.temperature, device=device, autocast=autocast)
+    return FusedHead(objective, monitors, student, fused_teacher, rollout=cfg.rollout, autocast=autocast)

@@ -193,6 +193,24 @@ class Batch:
         )
 
 
+@dataclass(frozen=True)
+class Draw:
+    """Which rows of a step's global batch this process samples (prompt-major), and how:
+    ``seeds`` one per row, from (seed, step, global row), so a row's tokens do not depend on which
+    rows share the batch (several ranks); or None: torch's RNG, which the trainer seeds per step
+    (one process; an engine without a global RNG, vLLM, draws its per-row seeds from it)."""
+
+    rows: range
+    seeds: list[int] | None
+
+    @classmethod
+    def for_step(cls, seed: int, step: int, n_rows: int, dist) -> Draw:
+        from opd_exp.runtime import distributed as dist_util
+
+        rows = range(n_rows)[dist_util.shard(n_rows, dist)]
+        return cls(rows, dist_util.row_seeds(seed, step, rows) if dist.row_keyed else None)
+
+
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids that skip left padding (what generate uses for a left-padded batch)."""
     pos = attention_mask.long().cumsum(-1) - 1
@@ -478,3 +496,15 @@ class HfRollout(RolloutEngine):
         """The decode loop itself: HF ``generate`` (subclasses bring their own)."""
         synced = self.synced_gpus and kw["do_sample"]
         return generate(self.model, self.tokenizer, prompts, synced_gpus=synced, **kw)
+
+
+def warn_ignored_generation_settings(pair, warn) -> None:
+    """One line per model whose ``generation_config`` would change what ``generate`` samples:
+    rollouts and evaluation ignore it."""
+    for who, model in (("student", pair.student), ("teacher", pair.teacher)):
+        if ignored := checkpoint_sampling_settings(model):
+            warn(
+                f"opd-train: warning: the {who}'s generation_config sets "
+                f"{', '.join(f'{k}={v!r}' for k, v in ignored.items())}; rollouts and evaluation ignore it "
+                "(they sample exactly rollout.temperature/top_k/top_p, and greedy eval is plain argmax)"
+            )

@@ -297,11 +297,16 @@ class VllmRollout(RolloutEngine):
     @torch.no_grad()
     def generate(self, prompts: Sequence[str], seeds: Sequence[int] | None = None, *, n_samples: int = 1, greedy: bool = False) -> Batch:
         """``n_samples`` responses per prompt (rows prompt-major) as a ``Batch``; every sampled
-        row carries its own seed (vLLM has no global RNG to share)."""
+        row carries its own seed (vLLM has no global RNG to share): ``seeds``, or drawn from torch's."""
         prompts = [p for p in prompts for _ in range(n_samples)]
-        row_seeds = [0] * len(prompts) if greedy else seeds
-        if row_seeds is None or len(row_seeds) != len(prompts):
-            raise ValueError(f"{0 if row_seeds is None else len(row_seeds)} seeds for {len(prompts)} rows")
+        if greedy:
+            row_seeds = [0] * len(prompts)
+        elif seeds is None:  # one seed per row from torch's RNG (seeded per step by the trainer: resume-exact)
+            row_seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
+        else:
+            row_seeds = list(seeds)
+        if len(row_seeds) != len(prompts):
+            raise ValueError(f"{len(row_seeds)} seeds for {len(prompts)} rows")
         ids, mask = encode_prompts(self.tokenizer, prompts, self.max_prompt_tokens)
         requests = [{"prompt_token_ids": ids[i][mask[i].bool()].tolist()} for i in range(len(prompts))]
         outs = self.llm.generate(requests, [self._params(s, greedy) for s in row_seeds], use_tqdm=False)

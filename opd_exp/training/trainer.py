@@ -37,8 +37,7 @@ from typing import Any
 
 import torch
 
-from opd_exp.config.schema import LoggerName, Schedule, TrainConfig
-from opd_exp.divergences import get_divergence
+from opd_exp.config.schema import LoggerName, TrainConfig
 from opd_exp.runtime import checkpoint, fingerprint, host
 from opd_exp.runtime import distributed as dist_util
 from opd_exp.runtime import precision as prec
@@ -47,15 +46,18 @@ from opd_exp.runtime.guards import Diverged, NonFinite, Preempted, PreemptionGua
 from opd_exp.runtime.secrets import scrub_text
 from opd_exp.sinks import JsonlSink, MultiSink, Progress, Sink
 from opd_exp.training.advice import EvalRise
-from opd_exp.training.engines import build_student_engine, in_process_engine, pair_record, require_extras, use_fused_lm_head
-from opd_exp.training.evaluate import Evaluator
+from opd_exp.training.checkpoints import checkpoint_views, resume_session
+from opd_exp.training.engines import build_engines, pair_record, require_extras
+from opd_exp.training.evaluate import EvalDivergences, Evaluator, eval_problems
+from opd_exp.training.heads import build_head
 from opd_exp.training.memory import check_step_memory
 from opd_exp.training.monitors import Monitors, Tally
-from opd_exp.training.objective import Objective, metric_beta
+from opd_exp.training.objective import Objective
 from opd_exp.training.ppo import PpoUpdates
-from opd_exp.training.rollout import HfRollout, checkpoint_sampling_settings
-from opd_exp.training.scoring import dropout_off, student_logits
+from opd_exp.training.rollout import Draw, warn_ignored_generation_settings
+from opd_exp.training.schedule import LrSchedule
 from opd_exp.training.state import DataCursor, TrainState
+from opd_exp.training.summary import summary, summary_line
 from opd_exp.training.teacher_served import TeacherUnavailable
 from opd_exp.training.teachers import build_teacher_scorer, sparse_teacher_k
 
@@ -78,12 +80,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.task, self.tokenizer, self.vocab_size = task, pair.tokenizer, int(pair.vocab_size)
         self.train_problems = list(task.train_problems())
-        evals = list(task.eval_problems())
-        for split, problems in (("training", self.train_problems), ("eval", evals)):
-            if not problems:
-                raise ConfigError(
-                    f"task: {cfg.task.name!r} has no {split} problems (empty dataset or split); allowed: a task with at least one"
-                )
+        eval_set = eval_problems(cfg, self.train_problems, list(task.eval_problems()))  # checked: one line
         self.student = prec.prepare_student(pair.student, tc, self.device)  # dtype, grad ckpt, LoRA
         teacher_device = prec.teacher_device(tc, self.device)
         check_step_memory(  # one line now, not an out-of-memory error minutes later
@@ -97,62 +94,40 @@ class Trainer:
 
         # Engines, picked once: the loop below never asks which ones it has.
         fsdp = self.dist.active and self.dist.parallel == "fsdp"
-        self.engine = build_student_engine(
-            cfg, self.student, self.tokenizer, self.vocab_size, autocast=self.autocast, synced_gpus=fsdp, warn=self.warn
+        self.engines = build_engines(
+            cfg, self.student, self.teacher, self.tokenizer, self.vocab_size, autocast=self.autocast, synced_gpus=fsdp, warn=self.warn
         )
-        self.teacher_engine = in_process_engine(
-            cfg, self.teacher, self.tokenizer, self.vocab_size, source="teacher", autocast=self.autocast
-        )
-        self.eval_engines = {
-            "student": HfRollout(self.student, self.tokenizer, ro, self.vocab_size, autocast=self.autocast),
-            "teacher": self.teacher_engine,
-        }
-        self.row_keyed = self.dist.row_keyed or ro.engine.value == "vllm"  # per-row generators, not torch's RNG
         # a sparse teacher's limits are refused before the server is asked anything
         self.objective = Objective(cfg, teacher_k=sparse_teacher_k(cfg, self.vocab_size), vocab_size=self.vocab_size)
         self.teacher_scorer = build_teacher_scorer(
             cfg, self.teacher, self.tokenizer, self.vocab_size, device=teacher_device, autocast=self.autocast, warn=self.warn
         )
         self.monitors = Monitors(cfg, sparse=self.objective.sparse)  # exact/*, entropies, overlap/*, the log-prob gap
-        for who, model in (("student", pair.student), ("teacher", pair.teacher)):
-            ignored = checkpoint_sampling_settings(model)
-            if ignored:
-                self.warn(
-                    f"opd-train: warning: the {who}'s generation_config sets "
-                    f"{', '.join(f'{k}={v!r}' for k, v in ignored.items())}; rollouts and evaluation ignore it "
-                    "(they sample exactly rollout.temperature/top_k/top_p, and greedy eval is plain argmax)"
-                )
-        if tc.eval_size > len(evals):  # never clipped in silence: the eval set would not be what was asked
-            raise ConfigError(
-                f"trainer.eval_size={tc.eval_size} is more than the {len(evals)} eval problems of task {cfg.task.name!r}; "
-                f"allowed: 0 (the whole split) up to {len(evals)}, or a larger task.n_eval"
-            )
-        self.fused_teacher = None
-        if not cfg.teacher.served and use_fused_lm_head(cfg, self.student, self.teacher, self.vocab_size):  # needs teacher hidden states
-            from opd_exp.training.fused import FusedTeacher
-
-            self.fused_teacher = FusedTeacher(
-                self.teacher, self.vocab_size, temperature=cfg.divergence.temperature, device=teacher_device, autocast=self.autocast
-            )
-        eval_problems = evals[: tc.eval_size] if tc.eval_size else evals
-        eval_divergences = self._eval_divergences()
-        self.evaluator = Evaluator(
-            task,
-            self.tokenizer,
-            eval_problems,
-            batch_size=tc.eval_batch_size,
-            teacher=self.teacher_scorer,
-            divergences=eval_divergences if self.teacher_scorer.full_distribution else {},  # need the whole teacher
-            student_logits=lambda b: self._student_logits(self.student, b),
-            chunk_size=cfg.estimator.chunk_size,
-            on_prompts=self._count_truncated,
-            samples=tc.eval_samples,
-            position_sums=self._fused_eval_sums if self.fused_teacher is not None else None,
-        )
-
+        warn_ignored_generation_settings(pair, self.warn)
         # The training forward goes through DDP / the FSDP2-sharded model; generate, eval and
         # checkpoints use the plain module (fully_shard works in place: the same object).
         self.train_module = dist_util.wrap_student(self.student, self.dist, self.device)
+        # the LM head, picked once (trainer.fused_lm_head): materialised logits, or chunks from hidden states
+        self.head, materialised = build_head(
+            cfg, self.objective, self.monitors, self.student, self.teacher, self.train_module, self.teacher_scorer, self.dist,
+            vocab_size=self.vocab_size, teacher_device=teacher_device, autocast=self.autocast,
+        )  # fmt: skip
+        self.student_logits = materialised.student_logits  # (module, batch): the sampling-distribution logits
+        self.eval_divergences = EvalDivergences(cfg)
+        self.evaluator = Evaluator(
+            task,
+            self.tokenizer,
+            eval_set,
+            batch_size=tc.eval_batch_size,
+            teacher=self.teacher_scorer,
+            divergences=self.eval_divergences if self.teacher_scorer.full_distribution else {},  # need the whole teacher
+            student_logits=lambda b: self.student_logits(self.student, b),
+            chunk_size=cfg.estimator.chunk_size,
+            on_prompts=self._count_truncated,
+            samples=tc.eval_samples,
+            position_sums=getattr(self.head, "position_sums", None),  # the fused head's (no [N, R, V] logits)
+        )
+
         self.params = [p for p in self.student.parameters() if p.requires_grad]
         # fused AdamW: no parameter-sized temporary per step (runtime/host.py)
         self.optimizer = host.adamw(self.params, lr=tc.lr, weight_decay=tc.weight_decay, device=self.device, fsdp=fsdp)
@@ -164,16 +139,17 @@ class Trainer:
                 self.objective,
                 self.monitors,
                 student=self.student,
-                student_logits=lambda b: self._student_logits(self.train_module, b),
+                student_logits=lambda b: self.student_logits(self.train_module, b),
                 teacher_scorer=self.teacher_scorer,
                 optimizer=self.optimizer,
                 params=self.params,
                 warn=self.warn,
             )
         # estimator=sampled: an eval divergence that stays above its start is said once (advice.py)
-        self.eval_rise = EvalRise(self.own_eval_key, "sampled", tc.lr) if cfg.estimator.name.value == "sampled" else None
-        self._lr_segments: list[dict[str, Any]] = []  # schedule continuations made by trainer.extend
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_factor)
+        own = self.eval_divergences.own_key
+        self.eval_rise = EvalRise(own, "sampled", tc.lr) if cfg.estimator.name.value == "sampled" else None
+        self.lr_schedule = LrSchedule(tc)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_schedule.factor)
         self.state = TrainState(cursor=DataCursor(len(self.train_problems), cfg.seed), guard=StepGuard(tc.max_bad_steps))
         self._extra_sinks = sinks
         self.pair_record = pair_record(pair)
@@ -182,27 +158,6 @@ class Trainer:
             self.pair_record["teacher_server"] = {k.rsplit(".", 1)[-1]: v for k, v in served.items()}
         self.fingerprint = {**fingerprint.config_fingerprint(cfg), **served}
         self._session: dict[str, Any] = {"session": "start", "from_step": 0}
-
-    def _eval_divergences(self) -> dict:
-        """The fixed eval divergences (the two KLs, and JSD at ``metric_beta``: the variant's own beta
-        for jsd, 0.5 otherwise, as ``jsd/mean``), plus ``eval/<name>``: the
-        trained divergence at its own parameters (what this variant optimises). When it equals
-        one of the fixed ones (jsd at its beta, rkl, fkl) it is that value, not a second pass."""
-        cfg = self.cfg
-        divs = {
-            "eval/jsd": get_divergence("jsd", beta=metric_beta(cfg)),
-            "eval/kl_reverse": get_divergence("rkl"),
-            "eval/kl_forward": get_divergence("fkl"),
-        }
-        if cfg.rollout.filtered:  # KL(T||S) is infinite under a filter: not logged (docs/training.md)
-            del divs["eval/kl_forward"]
-        name = cfg.divergence.name.value
-        own = get_divergence(name, **cfg.divergence.params())
-        self.own_eval_key = f"eval/{name}"
-        self._own_alias = next((k for k, d in divs.items() if type(d) is type(own) and d.params() == own.params()), None)
-        if self._own_alias is None:
-            divs[self.own_eval_key] = own
-        return divs
 
     @property
     def step(self) -> int:
@@ -241,31 +196,6 @@ class Trainer:
             )
         return n
 
-    def _lr_factor(self, step: int) -> float:
-        tc = self.cfg.trainer
-        seg = next((g for g in reversed(self._lr_segments) if step >= g["start"]), None)
-        if seg is not None:  # an extended run: from the checkpoint's factor, same shape, to the new end
-            frac = min((step - seg["start"]) / max(seg["end"] - seg["start"], 1), 1.0)
-            return seg["factor"] * self._shape(frac)
-        if tc.warmup_steps and step < tc.warmup_steps:
-            return (step + 1) / tc.warmup_steps
-        frac = min(max(step - tc.warmup_steps, 0) / max(tc.max_steps - tc.warmup_steps, 1), 1.0)
-        return self._shape(frac)
-
-    def _shape(self, frac: float) -> float:
-        """The decay after warm-up, 1 at frac=0 and (linear, cosine) 0 at frac=1."""
-        schedule = self.cfg.trainer.schedule
-        if schedule is Schedule.linear:
-            return 1.0 - frac
-        if schedule is Schedule.cosine:
-            return 0.5 * (1.0 + math.cos(math.pi * frac))
-        return 1.0
-
-    def _student_logits(self, module, batch):
-        ro = self.cfg.rollout
-        with self.autocast():
-            return student_logits(module, batch, self.vocab_size, temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p)
-
     # -- one step -------------------------------------------------------------
     def _on_policy(self, step: int) -> bool:
         """GKD's lambda: whether step ``step`` is sampled by the student (deterministic in seed, step)."""
@@ -273,120 +203,36 @@ class Trainer:
         return frac >= 1.0 or (frac > 0.0 and random.Random(self.cfg.seed * 7919 + step).random() < frac)
 
     def sample(self, step: int):
-        """The step's prompts and responses (re-seeded from (seed, step): resume-exact).
-        Row-keyed sampling (several ranks, or an engine with per-request seeds) gives this
-        rank its rows of the global batch, each from a generator keyed by (seed, step, row)."""
+        """The step's prompts and responses (re-seeded from (seed, step): resume-exact): this
+        rank's rows of the global batch, drawn as ``Draw`` says (the engine is whichever it is)."""
         cfg, n = self.cfg, self.cfg.rollout.n_samples
         torch.manual_seed((cfg.seed * 1_000_003 + step + 1) % (2**63))
         problems = [self.train_problems[i] for i in self.state.cursor.next(cfg.trainer.batch_size)]
         prompts = [self.task.render_prompt(p, self.tokenizer) for p in problems]
         self._n_truncated = self._count_truncated(prompts)
         on_policy = self._on_policy(step)
-        engine = self.engine if on_policy else self.teacher_engine
+        engine = self.engines.student if on_policy else self.engines.teacher
         if on_policy:
             engine.sync(self.student, version=step)  # after every update: the engine samples this student
-        if not self.row_keyed:
-            return engine.generate(prompts, n_samples=n).to(self.device)
-        rows = range(len(prompts) * n)[dist_util.shard(len(prompts) * n, self.dist)]
-        batch = engine.generate([prompts[r // n] for r in rows], dist_util.row_seeds(cfg.seed, step, rows))
-        return dataclasses.replace(batch, prompt_index=torch.tensor([r // n for r in rows])).to(self.device)
+        draw = Draw.for_step(cfg.seed, step, len(prompts) * n, self.dist)
+        batch = engine.generate([prompts[r // n] for r in draw.rows], draw.seeds)
+        return dataclasses.replace(batch, prompt_index=torch.tensor([r // n for r in draw.rows])).to(self.device)
 
     def accumulate(self, batch, n_tokens: int | None = None) -> tuple[float, Tally]:
-        """Forward/backward over micro-batches; gradients equal those of the whole batch.
-        Returns the loss and the ``Tally`` of the objective's metrics (per-token sums).
-
-        ``n_tokens``: the step's GLOBAL response-token count (all ranks; default: this batch's).
-        Under DDP/FSDP each rank's loss is scaled by the world size (they average gradients),
-        every rank runs the same number of micro-batches, and the teacher check is agreed on by
-        all ranks before any backward (a collective missed by one rank would hang the others).
-        The student is scored with dropout off (as it sampled), gradients kept."""
+        """Forward/backward over micro-batches through the LM head (``training/heads.py``);
+        gradients equal those of the whole batch. Returns the loss and the step's ``Tally``.
+        ``n_tokens``: the step's GLOBAL response-token count (all ranks; default: this batch's)."""
         n_tokens = batch.num_response_tokens if n_tokens is None else n_tokens  # every micro-batch divides by it
         mbs = list(batch.micro_batches(self.cfg.trainer.micro_batch_size))
-        # every micro-batch's teacher scores asked for now (a served teacher scores micro-batch
-        # i+1 while this process works on i), used in order; a failure stops before any update
-        pending = [] if self.fused_teacher is not None else [self.teacher_scorer.submit(mb) for mb in mbs]
-        try:
-            return self._accumulate(batch, mbs, pending, n_tokens)
-        finally:
-            for p in pending:
-                p.cancel()
+        return self.head.accumulate(mbs, on_policy=batch.source == "student", n_tokens=n_tokens, check_teacher=self._check_teacher)
 
-    def _accumulate(self, batch, mbs, pending, n_tokens: int) -> tuple[float, Tally]:
-        ds = self.dist
-        loss_total, tally = 0.0, Tally()
-        for i, mb in enumerate(mbs):
-            if mb.num_response_tokens == 0 and not ds.active:
-                continue
-            if self.fused_teacher is not None:  # single process: no collectives to keep in step
-                with dropout_off(self.student):
-                    out = self._fused(mb, batch.source == "student", n_tokens)
-                loss_total += float(out.loss)
-                tally.add(out)
-                continue
-            zt = pending[i].result()
-            # Caught before the loss: a NaN teacher logit would turn the loss (and, through
-            # masked positions, the gradient) into NaN with no hint where it came from.
-            bad = nonfinite_summary(zt.finite_check())
-            if dist_util.any_rank(bad is not None, ds):
-                where = f"{bad} teacher logits" if bad is not None else "on another rank"
-                raise NonFinite(f"teacher log-probs are not finite at step {self.step + 1} ({where})")
-            last = i == len(mbs) - 1
-            with dropout_off(self.student):  # forward and backward: a recompute sees the same modes
-                with dist_util.no_sync(self.train_module, ds, last=last):
-                    zs = self._student_logits(self.train_module, mb)
-                out = self.objective(zs, zt, mb.response_ids, mb.response_mask, on_policy=batch.source == "student", normalizer=n_tokens)
-                with dist_util.no_sync(self.train_module, ds, last=last):
-                    (out.loss * ds.world_size if ds.active else out.loss).backward()
-            loss_total += float(out.loss.detach())
-            tally.add(out)
-            tally.add(self.monitors(zs, zt, out, engine_logprobs=mb.sampling_logprobs))
-        return loss_total, tally
-
-    def _fused(self, mb, on_policy: bool, n_tokens: int):
-        """One micro-batch through the fused LM-head path (objective and backward, chunked)."""
-        from opd_exp.training.fused import fused_accumulate
-
-        def check(zt):
-            if (bad := nonfinite_summary(zt)) is not None:
-                raise NonFinite(f"teacher log-probs are not finite at step {self.step + 1} ({bad} teacher logits)")
-
-        ro = self.cfg.rollout
-        return fused_accumulate(
-            self.objective,
-            self.monitors,
-            self.student,
-            self.fused_teacher,
-            mb,
-            vocab_size=self.vocab_size,
-            temperature=ro.temperature,
-            top_k=ro.top_k,
-            top_p=ro.top_p,
-            on_policy=on_policy,
-            normalizer=n_tokens,
-            chunk_positions=self.cfg.estimator.chunk_size,
-            autocast=self.autocast,
-            check_teacher=check,
-        )
-
-    def _fused_eval_sums(self, batch, divergences, with_entropy: bool) -> dict[str, float]:
-        """Eval's per-position sums through the fused LM-head path (see ``Evaluator``)."""
-        from opd_exp.training.fused import fused_position_sums
-
-        ro = self.cfg.rollout
-        with dropout_off(self.student):
-            return fused_position_sums(
-                self.student,
-                self.fused_teacher,
-                batch,
-                divergences,
-                with_entropy,
-                vocab_size=self.vocab_size,
-                temperature=ro.temperature,
-                top_k=ro.top_k,
-                top_p=ro.top_p,
-                chunk_positions=self.cfg.estimator.chunk_size,
-                autocast=self.autocast,
-            )
+    def _check_teacher(self, scores: torch.Tensor) -> None:
+        """Caught before the loss: a NaN teacher logit would turn the loss (and, through masked
+        positions, the gradient) into NaN with no hint where it came from. All ranks agree."""
+        bad = nonfinite_summary(scores)
+        if dist_util.any_rank(bad is not None, self.dist):
+            where = f"{bad} teacher logits" if bad is not None else "on another rank"
+            raise NonFinite(f"teacher log-probs are not finite at step {self.step + 1} ({where})")
 
     def train_step(self) -> dict[str, float]:
         tc, guard = self.cfg.trainer, self.state.guard
@@ -456,84 +302,51 @@ class Trainer:
         was_training = self.student.training
         self.student.eval()
         try:
-            out = self.evaluator(self.eval_engines["student"], self.device)
+            out = self.evaluator(self.engines.eval_student, self.device)
         finally:
             self.student.train(was_training)
-        if self._own_alias is not None and self._own_alias in out:
-            out[self.own_eval_key] = out[self._own_alias]
+        out = self.eval_divergences.name_own(out)
         if self.state.teacher_accuracy is None:
-            self.state.teacher_accuracy = self.evaluator.accuracy(self.eval_engines["teacher"])
+            self.state.teacher_accuracy = self.evaluator.accuracy(self.engines.eval_teacher)
             out["eval/teacher_accuracy"] = self.state.teacher_accuracy
         return out
 
     # -- checkpoints ----------------------------------------------------------
     def save(self) -> Path:
         """Rank 0 writes (FSDP2: every rank first gathers the full state); all ranks then agree."""
-        ds = self.dist
-        model, optimizer = self.student, self.optimizer
-        if ds.active and ds.parallel == "fsdp":  # collectives: every rank takes part
-            model = dist_util.Frozen(dist_util.FullModelView(self.student).state_dict())
-            optimizer = dist_util.Frozen(dist_util.FullOptimizerView(self.student, self.optimizer).state_dict())
+        model, optimizer = checkpoint_views(self.student, self.optimizer, self.dist, save=True)  # a collective
         path = checkpoint.checkpoint_root(self.run_dir) / f"step_{self.step:06d}"
-        if ds.is_main:
+        if self.dist.is_main:
             loop = {**self.state.state_dict(), "config": self.fingerprint, "config_hash": fingerprint.short_hash(self.fingerprint)}
-            if self._lr_segments:
-                loop["lr_segments"] = self._lr_segments
+            if self.lr_schedule.segments:
+                loop["lr_segments"] = self.lr_schedule.segments
             path = checkpoint.save(self.run_dir, self.step, model, optimizer, self.scheduler, loop, keep=self.cfg.trainer.keep_checkpoints)
-        dist_util.barrier(ds)
+        dist_util.barrier(self.dist)
         return path
 
     def resume(self) -> bool:
         """Load the newest checkpoint that loads (``checkpoint.restore``); False: a fresh run."""
-        model, optimizer = self.student, self.optimizer
-        if self.dist.active and self.dist.parallel == "fsdp":  # full state in, sharded in place
-            model, optimizer = dist_util.FullModelView(self.student), dist_util.FullOptimizerView(self.student, self.optimizer)
+        model, optimizer = checkpoint_views(self.student, self.optimizer, self.dist, save=False)
         found = checkpoint.restore(self.run_dir, model, optimizer, self.scheduler, warn=self.warn)
         if found is None:
             return False
         step, loop = found
         if (line := fingerprint.below_step(self.run_dir, step, self.cfg.trainer.max_steps)) is not None:
             raise ConfigError(line)
-        self._check_settings(step, loop.pop("config", None))
+        lr = self.optimizer.param_groups[0]["lr"]
+        stored = loop.pop("config", None)
+        self._session, factor = resume_session(
+            self.cfg.trainer, self.run_dir, step, stored, self.fingerprint, lr, self.scheduler.base_lrs[0], self.warn
+        )
+        if factor is not None:  # trainer.extend: the schedule continues from the checkpoint's lr
+            self.lr_schedule.extend(step, factor)
         loop.pop("config_hash", None)
-        self._lr_segments += loop.pop("lr_segments", [])
+        self.lr_schedule.segments += loop.pop("lr_segments", [])
         self.state.load_state_dict(step, loop)
         if self._session.get("eval_set_changed"):
             self.state.teacher_accuracy = None  # measured again on the new eval set (``_run``)
-        where = checkpoint.checkpoint_root(self.run_dir) / f"step_{step:06d}"
-        self.warn(f"opd-train: resuming from step {step} (checkpoint {where})")
+        self.warn(f"opd-train: resuming from step {step} (checkpoint {checkpoint.checkpoint_root(self.run_dir) / f'step_{step:06d}'})")
         return True
-
-    def _check_settings(self, step: int, stored: dict[str, Any] | None) -> None:
-        """Refuse a resume with other settings unless ``trainer.extend``; with it, continue the
-        learning-rate schedule from the checkpoint's value over the new remaining steps."""
-        self._session = {"session": "resume", "from_step": step}
-        if stored is None:
-            self._warn_once("no_fingerprint", "the checkpoint records no settings (written by an older version): not compared")
-            return
-        diff = fingerprint.differences(stored, self.fingerprint)
-        if not diff:
-            return
-        tc = self.cfg.trainer
-        if not tc.extend:
-            raise ConfigError(fingerprint.refusal(self.run_dir, stored, self.fingerprint))
-        group = self.optimizer.param_groups[0]
-        base = self.scheduler.base_lrs[0]
-        factor = group["lr"] / base if base else 0.0
-        self._lr_segments.append({"start": step, "factor": factor, "end": tc.max_steps})
-        self._session = {"session": "extend", "from_step": step, "changed": {k: [a, b] for k, (a, b) in diff.items()}}
-        self.warn(
-            f"opd-train: extending the run from step {step} with other settings ({fingerprint.describe(diff)}); "
-            f"the learning rate continues from {group['lr']:.3g} to the end of the {tc.schedule.value} schedule at step {tc.max_steps}; "
-            f"recorded in {self.run_dir / fingerprint.HISTORY}"
-        )
-        if changed := fingerprint.eval_set_changes(diff):  # never one summary over two eval sets
-            self._session["eval_set_changed"] = changed
-            self.warn(
-                f"opd-train: the extension changes what the eval measures ({', '.join(changed)}): the student is evaluated "
-                f"on the new eval set at step {step} and the teacher's accuracy measured on it again; the summary's "
-                f"'before' values are that evaluation (metrics.jsonl rows up to step {step} are on the old set)"
-            )
 
     # -- the run --------------------------------------------------------------
     def _sinks(self, resume_step: int | None) -> Sink:
@@ -561,7 +374,7 @@ class Trainer:
         if isinstance(summary, Preempted):
             raise summary
         if summary and self.dist.is_main:
-            line = self.summary_line(summary)
+            line = summary_line(summary, self.run_dir)
             print(line, flush=True)  # stdout: `opd-train | tail -1` is the result
             self.log_line(line)
             self.log_line("summary: " + json.dumps(summary, sort_keys=True, default=str))
@@ -655,28 +468,6 @@ class Trainer:
         return dist_util.any_rank(preempt.requested, self.dist)
 
     def summary(self) -> dict[str, Any]:
-        before, after = dict(self.state.eval_before), self.state.eval_last
-        if self._own_alias in before:  # an extension that switched divergence: its value under the fixed name
-            before.setdefault(self.own_eval_key, before[self._own_alias])
-        out: dict[str, Any] = {"steps": self.step, "elapsed_s": round(self.state.elapsed_s, 1)}
-        for key in dict.fromkeys(("eval/accuracy", "eval/kl_reverse", "eval/kl_forward", "eval/jsd", self.own_eval_key)):
-            if key in before:
-                out[f"{key}_before"] = before[key]
-            if key in after:
-                out[key] = after[key]
-        if self.state.teacher_accuracy is not None:
-            out["eval/teacher_accuracy"] = self.state.teacher_accuracy
-        if self.pair_record:
-            out["pair"] = self.pair_record
-        return out
-
-    def summary_line(self, s: dict[str, Any]) -> str:
-        def f(key):
-            v = s.get(key)
-            return "n/a" if v is None else f"{v:.3f}"
-
-        return (
-            f"opd-train: student eval accuracy {f('eval/accuracy_before')} -> {f('eval/accuracy')} "
-            f"(teacher {f('eval/teacher_accuracy')}); eval reverse KL {f('eval/kl_reverse_before')} -> "
-            f"{f('eval/kl_reverse')}; {s['steps']} steps in {s['elapsed_s']:.0f} s; run folder {self.run_dir}"
-        )
+        st = self.state
+        before = self.eval_divergences.name_own(dict(st.eval_before))  # an extension that switched divergence: under the fixed name
+        return summary(self.step, st.elapsed_s, before, st.eval_last, self.eval_divergences.own_key, st.teacher_accuracy, self.pair_record)

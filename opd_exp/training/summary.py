@@ -1,0 +1,36 @@
+"""A run's summary: the eval metrics before and after training, and its one-line form (the last
+line ``opd-train`` prints: ``opd-train | tail -1`` is the result)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+# summarised before -> after, with the trained divergence's own eval key
+SUMMARY_KEYS = ("eval/accuracy", "eval/kl_reverse", "eval/kl_forward", "eval/jsd")
+
+
+def summary(step: int, elapsed_s: float, before: dict, after: dict, own_key: str, teacher_accuracy, pair_record) -> dict[str, Any]:
+    out: dict[str, Any] = {"steps": step, "elapsed_s": round(elapsed_s, 1)}
+    for key in dict.fromkeys((*SUMMARY_KEYS, own_key)):
+        if key in before:
+            out[f"{key}_before"] = before[key]
+        if key in after:
+            out[key] = after[key]
+    if teacher_accuracy is not None:
+        out["eval/teacher_accuracy"] = teacher_accuracy
+    if pair_record:
+        out["pair"] = pair_record
+    return out
+
+
+def summary_line(s: dict[str, Any], run_dir: Path) -> str:
+    def f(key):
+        v = s.get(key)
+        return "n/a" if v is None else f"{v:.3f}"
+
+    return (
+        f"opd-train: student eval accuracy {f('eval/accuracy_before')} -> {f('eval/accuracy')} "
+        f"(teacher {f('eval/teacher_accuracy')}); eval reverse KL {f('eval/kl_reverse_before')} -> "
+        f"{f('eval/kl_reverse')}; {s['steps']} steps in {s['elapsed_s']:.0f} s; run folder {run_dir}"
+    )
