@@ -113,7 +113,9 @@ def test_extend_with_another_model_is_refused_and_renames_nothing(tiny_pair, tmp
     msg = str(ex.value)
     assert "\n" not in msg
     assert msg.startswith(f"hydra.run.dir: checkpoint {ckpt} holds another model than this run's student (size mismatch for model.")
-    assert msg.endswith("; nothing was set aside; allowed: the model pair it was trained with (model_pair=embedded), or a new hydra.run.dir")
+    assert msg.endswith(
+        "; nothing was set aside; allowed: the model pair it was trained with (model_pair=embedded), or a new hydra.run.dir"
+    )
     assert sorted(p.name for p in root.iterdir()) == ["step_000002"]
     # the run's own command still resumes it
     Trainer(_cfg(), run, pair=tiny_pair, task=AddTask()).run()
