@@ -80,7 +80,7 @@ plt.show()
 # ## Every estimator
 # `ours` marks the estimators this project ships as unbiased (cosine 1). The others: forward
 # KL with a clipped importance weight (biased once the clip bites), top-k renormalised over
-# the teacher's top-k (the ms-swift / verl form, offered only as `topk_renorm`), and the
+# the teacher's top-k (the ms-swift / NeMo-RL form, offered only as `topk_renorm`), and the
 # two costs Trinity-RFT shipped before the fix, including the β = 1 branch (cost t − s), which ascends reverse KL
 # exactly and is measured against both KLs.
 

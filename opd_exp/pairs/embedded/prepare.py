@@ -37,7 +37,7 @@ log = logging.getLogger("opd_exp.pairs")
 # 2: SFT batches no longer length-bucketed (entries built before were worse teachers).
 # task.n_eval stays in the key on purpose: the SFT data excludes exactly the eval set, so another
 # n_eval is another teacher; such a rebuild is announced with its reason before it starts, and
-# the prepared pairs every measurement in the README was taken on keep their keys.
+# the prepared pairs every measurement in docs/ was taken on keep their keys.
 WORLD_VERSION = 2
 # Seconds per SFT step of the default teacher (hidden 64, 2 layers, batch 64) on one core of
 # a shared 2-core machine (4000 steps took about 6 min): the announced estimate scales it.
