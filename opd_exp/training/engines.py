@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from opd_exp.config.schema import TrainConfig
-from opd_exp.runtime import files
+from opd_exp.runtime import files, fingerprint
 from opd_exp.runtime import precision as prec
 from opd_exp.training.rollout import HfRollout, RolloutEngine
 
@@ -66,6 +66,15 @@ def in_process_engine(
 
         return LeanRollout(model, tokenizer, cfg.rollout, vocab_size, source=source, autocast=autocast)
     return HfRollout(model, tokenizer, cfg.rollout, vocab_size, source=source, autocast=autocast, synced_gpus=synced_gpus)
+
+
+def run_identity(cfg: TrainConfig, pair, teacher_scorer) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the run's pair record, its settings fingerprint): a served teacher adds what identifies it
+    (model, root, max_model_len, k, tokenizer hash) to both."""
+    record, served = pair_record(pair), teacher_scorer.identity()
+    if served:
+        record["teacher_server"] = {k.rsplit(".", 1)[-1]: v for k, v in served.items()}
+    return record, {**fingerprint.config_fingerprint(cfg), **served}
 
 
 def pair_record(pair) -> dict[str, Any]:

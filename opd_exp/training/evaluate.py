@@ -8,6 +8,7 @@ generation config or tokenizer — so their numbers agree on any pair.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
@@ -205,6 +206,22 @@ class Evaluator:
         )
         out["eval/entropy"] = ent_sum / max(n_tok, 1)
         return out
+
+
+def require_finite(out: dict[str, Any], step: int) -> dict[str, Any]:
+    """The evaluation before training (or on an extension's new eval set), checked: a non-finite
+    value (a teacher with NaN/inf log-probs) stops the run at once (``Diverged``, exit 3), since
+    every training step would be skipped."""
+    from opd_exp.runtime.guards import Diverged
+
+    bad = [f"{k}={v}" for k, v in out.items() if isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+        raise Diverged(
+            f"the evaluation before training (step {step}) is not finite ({', '.join(bad)}): the teacher's or the student's "
+            f"log-probs are not finite, so every step would be skipped; stopped before training, no checkpoint written; "
+            f"allowed: a teacher (and student) with finite log-probs"
+        )
+    return out
 
 
 def eval_problems(cfg: TrainConfig, train: Sequence[Any], evals: Sequence[Any]) -> list:

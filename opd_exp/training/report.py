@@ -1,10 +1,14 @@
-"""A run's summary: the eval metrics before and after training, and its one-line form (the last
-line ``opd-train`` prints: ``opd-train | tail -1`` is the result)."""
+"""What a run reports: its metric sinks (``metrics.jsonl`` and W&B, on rank 0), and its summary:
+the eval metrics before and after training, and its one-line form (the last line ``opd-train``
+prints: ``opd-train | tail -1`` is the result)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+from opd_exp.config.schema import LoggerName, TrainConfig
+from opd_exp.sinks import JsonlSink, MultiSink, Sink
 
 # summarised before -> after, with the trained divergence's own eval key
 SUMMARY_KEYS = ("eval/accuracy", "eval/kl_reverse", "eval/kl_forward", "eval/jsd")
@@ -34,3 +38,17 @@ def summary_line(s: dict[str, Any], run_dir: Path) -> str:
         f"(teacher {f('eval/teacher_accuracy')}); eval reverse KL {f('eval/kl_reverse_before')} -> "
         f"{f('eval/kl_reverse')}; {s['steps']} steps in {s['elapsed_s']:.0f} s; run folder {run_dir}"
     )
+
+
+def run_sinks(cfg: TrainConfig, run_dir: Path, *, main: bool, extra, resume_step: int | None, warn) -> Sink:
+    """``metrics.jsonl`` (continued from ``resume_step``), W&B under ``logger=wandb`` unless one
+    was passed in ``extra`` (opd-train starts it early), and ``extra``; nothing on other ranks."""
+    if not main:
+        return MultiSink([])
+    sinks: list[Sink] = [JsonlSink(run_dir / "metrics.jsonl", resume_step=resume_step, warn=warn)]
+    extra = list(extra or [])
+    if cfg.logger.name is LoggerName.wandb and not any(getattr(s, "is_wandb", False) for s in extra):
+        from opd_exp.sinks.tracking import WandbSink
+
+        sinks.append(WandbSink.from_config(cfg, run_dir))
+    return MultiSink(sinks + extra)

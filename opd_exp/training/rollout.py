@@ -211,6 +211,11 @@ class Draw:
         return cls(rows, dist_util.row_seeds(seed, step, rows) if dist.row_keyed else None)
 
 
+def count_truncated(tokenizer, prompts: Sequence[str], cap: int) -> int:
+    """How many rendered prompts are longer than ``cap`` tokens (``encode_prompts`` keeps their last ones)."""
+    return sum(len(tokenizer(p, add_special_tokens=False)["input_ids"]) > cap for p in prompts)
+
+
 def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """Position ids that skip left padding (what generate uses for a left-padded batch)."""
     pos = attention_mask.long().cumsum(-1) - 1

@@ -37,27 +37,27 @@ from typing import Any
 
 import torch
 
-from opd_exp.config.schema import LoggerName, TrainConfig
+from opd_exp.config.schema import TrainConfig
 from opd_exp.runtime import checkpoint, fingerprint, host
 from opd_exp.runtime import distributed as dist_util
 from opd_exp.runtime import precision as prec
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.runtime.guards import Diverged, NonFinite, Preempted, PreemptionGuard, StepGuard, nonfinite_summary
 from opd_exp.runtime.secrets import scrub_text
-from opd_exp.sinks import JsonlSink, MultiSink, Progress, Sink
+from opd_exp.sinks import Progress, Sink
 from opd_exp.training.advice import EvalRise
 from opd_exp.training.checkpoints import checkpoint_views, resume_session
-from opd_exp.training.engines import build_engines, pair_record, require_extras
-from opd_exp.training.evaluate import EvalDivergences, Evaluator, eval_problems
+from opd_exp.training.engines import build_engines, require_extras, run_identity
+from opd_exp.training.evaluate import EvalDivergences, Evaluator, eval_problems, require_finite
 from opd_exp.training.heads import build_head
 from opd_exp.training.memory import check_step_memory
 from opd_exp.training.monitors import Monitors, Tally
 from opd_exp.training.objective import Objective
 from opd_exp.training.ppo import PpoUpdates
-from opd_exp.training.rollout import Draw, warn_ignored_generation_settings
+from opd_exp.training.report import run_sinks, summary, summary_line
+from opd_exp.training.rollout import Draw, count_truncated, warn_ignored_generation_settings
 from opd_exp.training.schedule import LrSchedule
 from opd_exp.training.state import DataCursor, TrainState
-from opd_exp.training.summary import summary, summary_line
 from opd_exp.training.teacher_served import TeacherUnavailable
 from opd_exp.training.teachers import build_teacher_scorer, sparse_teacher_k
 
@@ -152,11 +152,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_schedule.factor)
         self.state = TrainState(cursor=DataCursor(len(self.train_problems), cfg.seed), guard=StepGuard(tc.max_bad_steps))
         self._extra_sinks = sinks
-        self.pair_record = pair_record(pair)
-        served = self.teacher_scorer.identity()  # a served teacher: model, root, max_model_len, k, tokenizer hash
-        if served:
-            self.pair_record["teacher_server"] = {k.rsplit(".", 1)[-1]: v for k, v in served.items()}
-        self.fingerprint = {**fingerprint.config_fingerprint(cfg), **served}
+        self.pair_record, self.fingerprint = run_identity(cfg, pair, self.teacher_scorer)
         self._session: dict[str, Any] = {"session": "start", "from_step": 0}
 
     @property
@@ -187,8 +183,7 @@ class Trainer:
         """How many rendered prompts exceed rollout.max_prompt_tokens (the rollout keeps their
         last tokens); warned once per run, counted per step."""
         cap = self.cfg.rollout.max_prompt_tokens
-        n = sum(len(self.tokenizer(p, add_special_tokens=False)["input_ids"]) > cap for p in prompts)
-        if n:
+        if n := count_truncated(self.tokenizer, prompts, cap):
             self._warn_once(
                 "truncated",
                 f"{n} of {len(prompts)} prompts are longer than rollout.max_prompt_tokens={cap} and are cut "
@@ -349,17 +344,6 @@ class Trainer:
         return True
 
     # -- the run --------------------------------------------------------------
-    def _sinks(self, resume_step: int | None) -> Sink:
-        if not self.dist.is_main:  # metrics.jsonl and W&B belong to rank 0
-            return MultiSink([])
-        sinks: list[Sink] = [JsonlSink(self.run_dir / "metrics.jsonl", resume_step=resume_step, warn=self.warn)]
-        extra = list(self._extra_sinks or [])
-        if self.cfg.logger.name is LoggerName.wandb and not any(getattr(s, "is_wandb", False) for s in extra):
-            from opd_exp.sinks.tracking import WandbSink
-
-            sinks.append(WandbSink.from_config(self.cfg, self.run_dir))  # opd-train passes one started early
-        return MultiSink(sinks + extra)
-
     def run(self, stop_after: int | None = None) -> dict[str, Any]:
         """Train to ``trainer.max_steps`` (resuming if the folder holds a checkpoint) and
         return the summary. ``stop_after`` ends the session early after that many steps,
@@ -387,14 +371,21 @@ class Trainer:
             from opd_exp.sinks.tracking import hydra_job
 
             fingerprint.append_history(self.run_dir, {**self._session, "overrides": hydra_job().overrides})
-        sink = self._sinks(resume_step=self.step if resumed else None)
+        sink = run_sinks(
+            self.cfg,
+            self.run_dir,
+            main=self.dist.is_main,
+            extra=self._extra_sinks,
+            resume_step=self.step if resumed else None,
+            warn=self.warn,
+        )
         if self.pair_record:
             sink.config({"pair": self.pair_record})
         self._progress = progress = Progress(tc.max_steps, initial=self.step, enabled=tc.progress)
         t_start = time.perf_counter() - state.elapsed_s
         try:
             if not resumed or self._session.get("eval_set_changed"):  # a fresh run, or an extension onto a new eval set
-                state.eval_before = state.eval_last = self._first_evaluation()
+                state.eval_before = state.eval_last = require_finite(self.evaluate(), self.step)
                 sink.log(state.eval_before, step=self.step)
             done_now = 0
             # A signal only sets a flag; it is acted on here, between steps, so a checkpoint is
@@ -437,20 +428,6 @@ class Trainer:
             sink.close()
             self.teacher_scorer.close()
         return summary
-
-    def _first_evaluation(self) -> dict[str, float]:
-        """The evaluation before training (or on an extension's new eval set). A non-finite
-        value there (a teacher with NaN/inf log-probs) stops the run at once (``Diverged``, exit
-        3): every training step would be skipped."""
-        out = self.evaluate()
-        bad = [f"{k}={v}" for k, v in out.items() if isinstance(v, float) and not math.isfinite(v)]
-        if not bad:
-            return out
-        raise Diverged(
-            f"the evaluation before training (step {self.step}) is not finite ({', '.join(bad)}): the teacher's or the student's "
-            f"log-probs are not finite, so every step would be skipped; stopped before training, no checkpoint written; "
-            f"allowed: a teacher (and student) with finite log-probs"
-        )
 
     def _teacher_lost(self, ex: TeacherUnavailable, cursor: dict) -> ConfigError:
         """The teacher server was lost mid-step: the step never updated the weights; the data
