@@ -87,6 +87,10 @@ class EstimatorName(Enum):
     sampled = "sampled"  # REINFORCE on the sampled token's exact cost
     topk = "topk"  # exact over the teacher's top-k + unbiased sampled tail
     topk_renorm = "topk_renorm"  # ms-swift/verl renormalised top-k (biased; explicit only)
+    topk_student = "topk_student"  # exact over the student's top-k + unbiased sampled tail
+    topk_union = "topk_union"  # exact over both top-k sets + unbiased sampled tail
+    topk_generalized_kl = "topk_generalized_kl"  # ms-swift MOPD (biased low; KL only)
+    topk_verl = "topk_verl"  # verl *_topk: both top-k, floored, clamped at 0 (biased)
     full = "full"  # exact over the whole vocabulary
 
 
@@ -206,7 +210,7 @@ class EstimatorConfig:
     """How the gradient of D per position is estimated."""
 
     name: EstimatorName = EstimatorName.full
-    # teacher top-k size (topk, topk_renorm)
+    # top-k size of every topk* estimator (the teacher's, the student's, or each of both)
     k: int = 16
     # rows per chunk of the full-vocab path (null: sized from the vocabulary)
     chunk_size: int | None = None
@@ -555,13 +559,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _check(0.0 < cfg.divergence.beta < 1.0, "divergence.beta", cfg.divergence.beta, "0 < beta < 1 with divergence=jsd_legacy")
     if cfg.divergence.clip is not None and cfg.divergence.name is not DivergenceName.fkl:
         _fail("divergence.clip", cfg.divergence.clip, f"null for divergence={cfg.divergence.name.value} (clip is fkl's)")
-    if cfg.divergence.clip is not None and est in (EstimatorName.full, EstimatorName.topk_renorm):
+    if cfg.divergence.clip is not None and est in _NO_SAMPLED_COST:
         _fail(
             "divergence.clip",
             cfg.divergence.clip,
             f"null with estimator={est.value} (the clip caps the sampled cost; estimator={est.value} uses none)",
         )
     ro, div = cfg.rollout, cfg.divergence
+    validate_topk_variant(cfg)
     forward_kl = div.name is DivergenceName.fkl or (div.name is DivergenceName.jsd and div.beta == 0.0)
     if forward_kl and ro.filtered:
         key, value = ("rollout.top_k", ro.top_k) if ro.top_k > 0 else ("rollout.top_p", ro.top_p)
@@ -596,6 +601,32 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if tc.lora_rank:
             _fail("rollout.engine", "vllm", "hf with trainer.lora_rank > 0 (adapter weights are not synced into vLLM)")
     return cfg
+
+
+# estimators whose loss uses no sampled-token cost (divergence.clip would cap nothing)
+_NO_SAMPLED_COST = (EstimatorName.full, EstimatorName.topk_renorm, EstimatorName.topk_generalized_kl, EstimatorName.topk_verl)
+# the top-k estimators of divergences/topk_variants.py routed through TOPK_ESTIMATORS
+TOPK_VARIANTS = (EstimatorName.topk_student, EstimatorName.topk_union, EstimatorName.topk_generalized_kl, EstimatorName.topk_verl)
+
+
+def validate_topk_variant(cfg: TrainConfig) -> None:
+    """What the TOPK_ESTIMATORS variants refuse, known from the config alone (a served teacher
+    whose top-k misses the vocabulary: the objective, once the vocabulary is known)."""
+    est, ro, div = cfg.estimator.name, cfg.rollout, cfg.divergence
+    if est not in TOPK_VARIANTS:
+        return
+    if ro.filtered:
+        key, value = ("rollout.top_k", ro.top_k) if ro.top_k > 0 else ("rollout.top_p", ro.top_p)
+        _fail(
+            key,
+            value,
+            f"{'0' if key.endswith('top_k') else '1.0'} (off) with estimator={est.value}: its estimate is not defined under a "
+            "sampling filter (no filtered-mass term); use estimator=topk, full or sampled with a filter",
+        )
+    kl = div.name.value in ("rkl", "fkl") or (div.name.value == "jsd" and div.beta in (0.0, 1.0))
+    if est is EstimatorName.topk_generalized_kl and not kl:
+        key, value = ("divergence.beta", div.beta) if div.name.value == "jsd" else ("divergence.name", div.name.value)
+        _fail(key, value, "rkl, fkl, or jsd with beta 0 or 1 with estimator=topk_generalized_kl (the generalised KL is a KL's)")
 
 
 def validate_ppo(cfg: TrainConfig) -> None:
@@ -647,5 +678,5 @@ def validate_teacher(cfg: TrainConfig) -> None:
     if cfg.trainer.fused_lm_head is FusedLmHead.on:
         _fail("trainer.fused_lm_head", "on", "auto or off with teacher=served (the fused head needs the teacher's hidden states)")
     k = te.k if te.k is not None else cfg.estimator.k
-    if cfg.estimator.name in (EstimatorName.topk, EstimatorName.topk_renorm) and cfg.estimator.k > k:
+    if cfg.estimator.name in (EstimatorName.topk, EstimatorName.topk_renorm, EstimatorName.topk_generalized_kl) and cfg.estimator.k > k:
         _fail("estimator.k", cfg.estimator.k, f"at most teacher.k={k} with teacher=served (the server sends its top-{k})")

@@ -278,7 +278,7 @@ def chosen_options(config: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(teacher, Mapping) and teacher.get("name") != "served":
         out["teacher"] = {"name": teacher.get("name")}
     est = out.get("estimator")
-    if isinstance(est, Mapping) and est.get("name") not in ("topk", "topk_renorm"):
+    if isinstance(est, Mapping) and not str(est.get("name", "")).startswith("topk"):
         out["estimator"] = _only(est, ["k"])
     loss = out.get("loss")
     if isinstance(loss, Mapping):

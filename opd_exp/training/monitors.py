@@ -37,7 +37,8 @@ from opd_exp.training.scoring import TeacherScores, entropy
 # the estimates on the sampled tokens; "monitors": this module. Needs: "exact_metrics" /
 # "overlap_k" (their switches on), "unfiltered" (KL(T||S) is infinite under a top-k/top-p filter:
 # not logged then, never a large finite stand-in), "whole_teacher" (not logged with a sparse
-# teacher, k < V).
+# teacher, k < V), "topk_estimator" (estimator=topk*: the truncation masses T(K), S(K) of its
+# summed set), "loss_clamp" (estimator=topk_verl: share of tokens whose loss the clamp set).
 TOKEN_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "jsd/mean": ("objective", ()),
     "kl/reverse": ("objective", ()),
@@ -53,6 +54,9 @@ TOKEN_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "overlap/teacher_mass": ("monitors", ("overlap_k", "whole_teacher")),
     "overlap/student_mass": ("monitors", ("overlap_k", "whole_teacher")),
     "overlap/ratio": ("monitors", ("overlap_k", "whole_teacher")),
+    "estimator/teacher_mass": ("objective", ("topk_estimator",)),
+    "estimator/student_mass": ("objective", ("topk_estimator",)),
+    "estimator/clamp_rate": ("objective", ("loss_clamp",)),
 }
 # Logged only on the steps that have them: per-token sums (cost/clipped_frac, the gap), a count
 # (never divided) and a maximum over tokens.
@@ -90,6 +94,8 @@ def token_metric_names(cfg: TrainConfig, *, sparse: bool = False, by: str | None
         "overlap_k": not cfg.trainer.overlap_k,
         "unfiltered": cfg.rollout.filtered,
         "whole_teacher": sparse,
+        "topk_estimator": not cfg.estimator.name.value.startswith("topk"),
+        "loss_clamp": cfg.estimator.name.value != "topk_verl",
     }
     return tuple(n for n, (who, needs) in TOKEN_METRICS.items() if by in (None, who) and not any(off[x] for x in needs))
 

@@ -13,6 +13,9 @@ Estimators (student-sampled batches):
   topk/full    per-position surrogate g_t whose gradient estimates grad D_t (exact for full)
                reinforce: kl_coef * (g_t + F_t log S(y_t)), F_t the future part of the return
                direct:    kl_coef * g_t (GKD)
+  topk_student, topk_union, topk_generalized_kl, topk_verl
+               ``divergences.TOPK_ESTIMATORS`` on the teacher's dense log-probs, treated as topk
+               (the last two are biased direct losses; their value is the loss itself)
 Teacher-sampled batches (on_policy_fraction < 1): the samples are not from the student, so
 sampled-token costs would be biased; they always use the exact full-vocab loss
 kl_coef * D_t (GKD's choice), whatever the estimator.
@@ -28,7 +31,7 @@ objective's: ``training/monitors.py`` computes them beside it, from its ``Output
 The teacher comes as ``TeacherScores``: dense logits (in-process), or a sparse payload (a
 served teacher: top-k ids and log-probs, the sampled token's log-prob). A sparse teacher whose
 k does not cover the vocabulary feeds the estimators that need no more than that
-(``topk``/``topk_renorm``, and ``sampled``); whatever needs the teacher's whole distribution
+(``topk``/``topk_renorm``/``topk_generalized_kl``, and ``sampled``); whatever needs the teacher's whole distribution
 (``exact/*``, ``teacher/entropy``, ``overlap/*``, the filtered-mass term, off-policy steps) is
 refused at start-up or not logged (``monitors.TOKEN_METRICS``).
 """
@@ -39,8 +42,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opd_exp.config.schema import Credit, EstimatorName, LossName, TrainConfig
-from opd_exp.divergences import filtered_value, get_divergence, sequence_returns, topk_estimate
+from opd_exp.config.schema import TOPK_VARIANTS, Credit, EstimatorName, LossName, TrainConfig
+from opd_exp.divergences import (
+    TOPK_ESTIMATORS,
+    filtered_value,
+    generalized_kl_topk,
+    get_divergence,
+    sequence_returns,
+    topk_estimate,
+    truncation_masses,
+)
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.monitors import OUTSIDE, exact_divergences, metric_beta, step_monitors, token_metric_names
 from opd_exp.training.scoring import TeacherScores, token_logprobs
@@ -95,7 +106,12 @@ def check_sparse_teacher(cfg: TrainConfig, k: int, vocab_size: int) -> None:
             f"estimator.name='full' is not allowed {where} (the exact loss needs every teacher log-prob); "
             "allowed: topk (exact top-k + unbiased tail), topk_renorm, or sampled; full only where teacher.k covers the vocabulary"
         )
-    if est in (EstimatorName.topk, EstimatorName.topk_renorm) and cfg.estimator.k > k:
+    if est in TOPK_VARIANTS and not TOPK_ESTIMATORS[est.value].sparse_teacher:
+        raise ConfigError(
+            f"estimator.name={est.value!r} is not allowed {where} (it needs the teacher's log-probs on the student's top-k); "
+            "allowed: topk, topk_renorm, topk_generalized_kl or sampled, or teacher=in_process, or teacher.k covering the vocabulary"
+        )
+    if est in (EstimatorName.topk, EstimatorName.topk_renorm, EstimatorName.topk_generalized_kl) and cfg.estimator.k > k:
         raise ConfigError(f"estimator.k={cfg.estimator.k} is not allowed {where}; allowed: estimator.k <= teacher.k")
     if ro.filtered:
         key, value = ("rollout.top_k", ro.top_k) if ro.top_k > 0 else ("rollout.top_p", ro.top_p)
@@ -166,13 +182,14 @@ class Objective:
         outside = mask.bool() & (s0.exp() == 0)
         m = mask.bool() & ~outside if on_policy else mask.bool()
 
+        per_position: dict[str, torch.Tensor] = {}  # estimator/* diagnostics of a top-k estimator
         if not on_policy:
             d_exact = self.div.full(student_z, teacher_z, mask=m, chunk_size=chunk)
             per_token = kl_coef * d_exact
             advantages = -kl_coef * d_exact.detach()
             clipped, trained_exact = None, d_exact.detach()
         else:
-            per_token, advantages, clipped, trained_exact = self._on_policy(student_z, scores, response_ids, m, s, t)
+            per_token, advantages, clipped, trained_exact, per_position = self._on_policy(student_z, scores, response_ids, m, s, t)
 
         if counted is None:
             counted = position_mask(mask, cfg.loss.positions.value, cfg.loss.position_fraction)
@@ -200,6 +217,7 @@ class Objective:
                 "advantages/mean": advantages,
                 "student/logprob_mean": s0,
                 "teacher/logprob_mean": t,
+                **per_position,
             }
             values = {k: v for k, v in values.items() if k in self.names}
             if clipped is not None:
@@ -247,12 +265,18 @@ class Objective:
             else:
                 per_token = -advantages * s
             clipped = self.div.clipped(s0, t) if self.report_clip else None
-            return per_token, advantages, clipped, None
+            return per_token, advantages, clipped, None, {}
 
-        clipped = None
+        clipped, per_position = None, {}
         if est is EstimatorName.full:
             surrogate = self.div.full(student_z, teacher_z, mask=m, chunk_size=cfg.estimator.chunk_size)
             value = surrogate.detach()
+        elif est in TOPK_VARIANTS:
+            out = self._topk_variant(student_z, scores, y)
+            surrogate, value = out.surrogate, out.value.detach()
+            per_position = {"estimator/teacher_mass": out.teacher_mass, "estimator/student_mass": out.student_mass}
+            if est is EstimatorName.topk_verl:
+                per_position["estimator/clamp_rate"] = out.clamped
         else:
             tk_lp, tk_ids = scores.topk(cfg.estimator.k)
             renorm = est is EstimatorName.topk_renorm
@@ -264,6 +288,9 @@ class Objective:
                 ).to(value.dtype)
             if self.report_clip and not renorm:  # only the tail term uses the (clipped) cost
                 clipped = self.div.clipped(s0, t) & ~(tk_ids == y.unsqueeze(-1)).any(-1)
+            with torch.no_grad():
+                masses = truncation_masses(student_z, tk_ids, tk_lp)
+            per_position = dict(zip(("estimator/teacher_mass", "estimator/student_mass"), masses))
         if credit is Credit.sequence:
             future = sequence_returns(torch.zeros_like(value), value, m, gamma)
             per_token = kl_coef * (surrogate + future * s)
@@ -271,4 +298,17 @@ class Objective:
             future = torch.zeros_like(value)
             per_token = kl_coef * surrogate
         # the exact D per position, for the monitors (estimator=full only; topk's value is an estimate)
-        return per_token, -kl_coef * (value + future), clipped, value if est is EstimatorName.full else None
+        return per_token, -kl_coef * (value + future), clipped, value if est is EstimatorName.full else None, per_position
+
+    def _topk_variant(self, student_z, scores: TeacherScores, y):
+        """A ``TOPK_ESTIMATORS`` variant's ``TopkEstimate``. Both logits come tempered already
+        (temperature 1 here); a dense teacher gives its log-probs over the whole vocabulary, a
+        sparse one only reaches here for topk_generalized_kl (``check_sparse_teacher``)."""
+        name, k = self.cfg.estimator.name.value, self.cfg.estimator.k
+        if not scores.dense:
+            tk_lp, tk_ids = scores.topk(k)
+            return generalized_kl_topk(self.div, student_z, tk_lp, tk_ids)
+        teacher_z = scores.logits
+        teacher_z = teacher_z.float() if teacher_z.dtype in (torch.float16, torch.bfloat16) else teacher_z
+        t_lp = torch.log_softmax(teacher_z.detach(), dim=-1)
+        return TOPK_ESTIMATORS[name].estimate(self.div, student_z, t_lp, y, k=min(k, t_lp.shape[-1]), temperature=1.0)
