@@ -86,7 +86,7 @@ def _on_new_divergence(cls) -> None:
 class EstimatorName(Enum):
     sampled = "sampled"  # REINFORCE on the sampled token's exact cost
     topk = "topk"  # exact over the teacher's top-k + unbiased sampled tail
-    topk_renorm = "topk_renorm"  # ms-swift/verl renormalised top-k (biased; explicit only)
+    topk_renorm = "topk_renorm"  # ms-swift / NeMo-RL renormalised top-k (biased; explicit only)
     topk_student = "topk_student"  # exact over the student's top-k + unbiased sampled tail
     topk_union = "topk_union"  # exact over both top-k sets + unbiased sampled tail
     topk_generalized_kl = "topk_generalized_kl"  # ms-swift MOPD (biased low; KL only)
