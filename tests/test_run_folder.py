@@ -179,3 +179,19 @@ def test_a_setting_added_after_the_checkpoint_is_no_difference_at_its_default():
     changed = {**now, "loss.ppo_epochs": 4}
     assert fingerprint.differences(older, changed, defaults) == {"loss.ppo_epochs": (None, 4)}
     assert fingerprint.differences(older, now) == {"loss.ppo_epochs": (None, 1)}  # without the defaults: a difference
+
+
+def test_the_trainer_resumes_a_checkpoint_older_than_a_setting_at_its_default(tmp_path):
+    """The trainer's own resume check (after the models load) agrees with the start-up check."""
+    from opd_exp.config.schema import TrainConfig
+    from opd_exp.runtime import fingerprint
+    from opd_exp.training.checkpoints import resume_session
+
+    cfg = TrainConfig()
+    now = fingerprint.config_fingerprint(cfg)
+    older = {k: v for k, v in now.items() if not k.startswith("loss.ppo_")}
+    lines = []
+    session, factor = resume_session(cfg.trainer, tmp_path, 2, older, now, 1e-3, 1e-3, lines.append)
+    assert session == {"session": "resume", "from_step": 2} and factor is None and lines == []
+    with pytest.raises(ConfigError, match=r"other settings \(loss.ppo_epochs: None -> 3\)"):
+        resume_session(cfg.trainer, tmp_path, 2, older, {**now, "loss.ppo_epochs": 3}, 1e-3, 1e-3, lines.append)

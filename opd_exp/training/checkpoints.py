@@ -37,16 +37,20 @@ def resume_session(
     warn: Callable[[str], None],
 ) -> tuple[dict[str, Any], float | None]:
     """(the session record, the lr factor an extension continues from, or None). Refuses a resume
-    with other settings unless ``trainer.extend``."""
+    with other settings unless ``trainer.extend``; a setting newer than the checkpoint, at the
+    schema's default, is no difference (``fingerprint.differences``)."""
+    from opd_exp.config.schema import TrainConfig
+
+    defaults = fingerprint.schema_defaults(TrainConfig())
     session: dict[str, Any] = {"session": "resume", "from_step": step}
     if stored is None:
         warn("opd-train: warning: the checkpoint records no settings (written by an older version): not compared")
         return session, None
-    diff = fingerprint.differences(stored, current)
+    diff = fingerprint.differences(stored, current, defaults)
     if not diff:
         return session, None
     if not tc.extend:
-        raise ConfigError(fingerprint.refusal(run_dir, stored, current))
+        raise ConfigError(fingerprint.refusal(run_dir, stored, current, defaults))
     session = {"session": "extend", "from_step": step, "changed": {k: [a, b] for k, (a, b) in diff.items()}}
     warn(
         f"opd-train: extending the run from step {step} with other settings ({fingerprint.describe(diff)}); "
