@@ -319,3 +319,19 @@ def test_a_sampled_run_whose_eval_divergence_rises_warns_once(pair_root, tmp_pat
     assert log.count("opd-train: warning: eval/rkl has been above its value before training (1) for 3 evals") == 1
     assert "(now 1.7 at step 3) with estimator=sampled at trainer.lr=0.01" in log
     assert full.eval_rise is None  # the exact estimator is not watched
+
+
+def test_several_updates_under_a_sampling_filter_never_skip_on_masked_positions(pair_root, tmp_path):
+    """rollout.top_k: a pad or filtered-out token holds log S = -1e9 in the behaviour log-probs;
+    after an update it may be inside the filter (s - old ~ +1e9). Masked positions must not enter
+    the ratio (exp -> inf, 0 * inf = NaN in backward): every update is applied, every statistic finite."""
+    import math
+
+    with golden.float64():
+        t = trainer64(
+            pair_root, tmp_path, loss={"ppo_epochs": 3, "ppo_mini_batches": 2}, rollout={"top_k": 3}, trainer={"lr": 0.05, "max_steps": 2}
+        )
+        for _ in range(2):
+            m = t.train_step()
+            assert m["ppo/skipped_updates"] == 0 and m["grad/skipped"] == 0.0
+            assert all(math.isfinite(m[k]) for k in ("ppo/approx_kl", "ppo/ratio_mean", "ppo/ratio_max", "ppo/ratio_min", "loss"))

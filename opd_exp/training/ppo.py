@@ -184,7 +184,9 @@ class PpoUpdates:
         for p in group:
             with dropout_off(self.student):
                 s = token_logprobs(self.student_logits(p.batch), p.batch.response_ids)
-                ratio = torch.exp(s - p.old_logprobs)
+                # only counted positions: a pad or filtered-out token scored -1e9 before an update may
+                # be inside the filter after it, and exp(+1e9) = inf would turn the masked gradient NaN
+                ratio = torch.exp(torch.where(p.counted, s - p.old_logprobs, torch.zeros_like(s)))
                 per_token, clip_active = ppo_surrogate(ratio, p.advantages.to(s.dtype), eps)
                 zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
                 loss = torch.where(p.counted, per_token, zero).sum() / max(n_mb, 1)
@@ -197,7 +199,8 @@ class PpoUpdates:
                 if r.numel():
                     r_lo, r_hi = min(r_lo, float(r.min())), max(r_hi, float(r.max()))
                     stats["ratio"] += float(r.double().sum())
-                    stats["kl"] += float(((r - 1) - torch.log(r)).double().sum())  # k3 estimate of KL(S_old || S)
+                    r64 = r.double().clamp_min(torch.finfo(torch.float64).tiny)  # a token the update filtered out: r = 0
+                    stats["kl"] += float(((r64 - 1) - torch.log(r64)).sum())  # k3 estimate of KL(S_old || S)
         record = {"tokens": float(n_counted), "tokens_all": float(n_mb), "clip_frac": clipped_n / max(n_counted, 1)}
         record.update(ratio_min=r_lo, ratio_max=r_hi, loss=loss_sum)
         stats["tokens"] += n_counted
