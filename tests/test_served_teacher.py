@@ -483,3 +483,39 @@ def test_vllm_served_run_matches_the_in_process_run(smollm2_server, smollm2_pair
     print("losses", runs)
     assert len(runs["served"]) == 3
     assert runs["served"] == pytest.approx(runs["local"], rel=1e-3, abs=1e-5)
+
+
+def test_a_server_lost_during_a_periodic_eval_stops_with_the_finished_step_saved(tiny_pair, fake, tmp_path):
+    """teacher.k >= V scores eval through the server too: lost there, after step 2 finished, the
+    run saves step 2 (its data position after the step) and stops in one line, never a traceback;
+    started again it ends with the losses of an uninterrupted run."""
+    import copy
+
+    V = tiny_pair.vocab_size
+    cfg = small_config(estimator={"name": "full"}, trainer={"max_steps": 4, "eval_every": 2})
+
+    def fresh():
+        pair = copy.copy(tiny_pair)
+        pair.student = type(tiny_pair.student).from_pretrained(tiny_pair.student.name_or_path)
+        return pair
+
+    Trainer(served(cfg, fake.url, k=V), tmp_path / "whole", pair=fresh(), task=AddTask()).run()
+    t = Trainer(served(cfg, fake.url, k=V), tmp_path / "cut", pair=fresh(), task=AddTask())
+    real_evaluate = t.evaluate
+
+    def evaluate():
+        if t.step == 2:
+            fake.mode = "error500"
+        return real_evaluate()
+
+    t.evaluate = evaluate
+    with pytest.raises(ConfigError) as ex:
+        t.run()
+    line = str(ex.value)
+    assert "\n" not in line and "HTTP 500" in line
+    assert f"the run stopped before step 3 (nothing trained on partial scores), checkpoint at step 2 saved to {tmp_path / 'cut'}" in line
+    fake.mode = "ok"
+    Trainer(served(cfg, fake.url, k=V), tmp_path / "cut", pair=fresh(), task=AddTask()).run()
+    by_step = [{r["step"]: r["loss"] for r in metric_rows(tmp_path / run) if "loss" in r} for run in ("whole", "cut")]
+    assert set(by_step[1]) == set(by_step[0])  # step 2's row was kept (without its lost eval)
+    assert {s: by_step[1][s] for s in by_step[0]} == pytest.approx(by_step[0], rel=1e-6, abs=1e-7)

@@ -387,21 +387,21 @@ class Trainer:
             if not resumed or self._session.get("eval_set_changed"):  # a fresh run, or an extension onto a new eval set
                 state.eval_before = state.eval_last = require_finite(self.evaluate(), self.step)
                 sink.log(state.eval_before, step=self.step)
-            done_now = 0
-            # A signal only sets a flag; it is acted on here, between steps, so a checkpoint is
-            # never taken of a half-done step.
+            done_now = 0  # a signal only sets a flag, acted on between steps: never a checkpoint of a half-done step
             while self.step < tc.max_steps and not self._stop_requested(preempt):
-                cursor = state.cursor.state_dict()
-                try:
+                cursor, metrics = state.cursor.state_dict(), None
+                try:  # a teacher server lost in the step or its eval: stop at the last finished step, saved
                     metrics = self.train_step()
-                except TeacherUnavailable as ex:  # before any update: save this boundary, one line
+                    cursor, last = state.cursor.state_dict(), self.step == tc.max_steps
+                    if (tc.eval_every and self.step % tc.eval_every == 0) or last:
+                        state.eval_last = self.evaluate()
+                        if self.eval_rise is not None and (line := self.eval_rise.update(state.eval_before, state.eval_last, self.step)):
+                            self.warn(line)
+                        metrics.update(state.eval_last)
+                except TeacherUnavailable as ex:
+                    if metrics is not None:  # the step finished: its row is kept, without the lost eval
+                        sink.log(metrics, step=self.step)
                     raise self._teacher_lost(ex, cursor) from None
-                last = self.step == tc.max_steps
-                if (tc.eval_every and self.step % tc.eval_every == 0) or last:
-                    state.eval_last = self.evaluate()
-                    if self.eval_rise is not None and (line := self.eval_rise.update(state.eval_before, state.eval_last, self.step)):
-                        self.warn(line)
-                    metrics.update(state.eval_last)
                 if self.step % tc.log_every == 0 or last or "eval/accuracy" in metrics:
                     sink.log(metrics, step=self.step)
                 progress.update(metrics)
@@ -430,8 +430,7 @@ class Trainer:
         return summary
 
     def _teacher_lost(self, ex: TeacherUnavailable, cursor: dict) -> ConfigError:
-        """The teacher server was lost mid-step: the step never updated the weights; the data
-        position goes back to its start, a checkpoint is saved there, and one line says how to resume."""
+        """The teacher server was lost: the data position goes back to the last finished step (``cursor``), a checkpoint is saved there, one line says how to resume."""
         self.optimizer.zero_grad(set_to_none=True)
         self.state.cursor.load_state_dict(cursor)
         path = self.save()
