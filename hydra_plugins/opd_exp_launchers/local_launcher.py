@@ -50,7 +50,7 @@ def _run_one(payload: bytes, conn) -> None:
     if ret.status == JobStatus.COMPLETED:
         conn.send(("done", ret.return_value))
     else:
-        conn.send(("failed", ret._return_value))
+        conn.send(("failed", _failure(ret._return_value)))  # its line, not the exception: any error crosses the pipe
 
 
 def _failure(ex: BaseException) -> tuple[str, int]:
@@ -106,6 +106,8 @@ class LocalLauncher(Launcher):
                         outcomes[num] = (kind, value)
             except (EOFError, OSError):
                 pass
+            except Exception as ex:  # a message that does not load: the job fails, the others go on
+                outcomes[num] = ("failed", (f"its result could not be read ({type(ex).__name__}: {ex})", 2))
 
         def finish(num, overrides, proc, conn) -> None:
             drain(num, conn)
@@ -119,7 +121,7 @@ class LocalLauncher(Launcher):
                 ret.return_value = outcome[1]
             else:
                 # the job's own error line is already on stderr; a killed process says nothing: say it here
-                line, code = _failure(outcome[1]) if outcome is not None else death_line(proc.exitcode)
+                line, code = outcome[1] if outcome is not None else death_line(proc.exitcode)
                 if outcome is None:
                     print(f"opd-train: error: job #{num} ({folder}): {line}", file=sys.stderr, flush=True)
                 FAILED_JOBS.append((num, folder, line, code))
