@@ -185,7 +185,13 @@ def test_group_files_compose_into_the_schema():
     from opd_exp.config.world import as_pair_config, as_task_config
 
     conf = os.path.join(os.path.dirname(__file__), "..", "conf")
-    load = lambda group, name: OmegaConf.load(os.path.join(conf, group, f"{name}.yaml"))
+
+    def load(group, name):
+        """A group file's own keys; a `# @package _global_` file (a pair with its own trainer
+        defaults) holds them under the group's name."""
+        node = OmegaConf.load(os.path.join(conf, group, f"{name}.yaml"))
+        return node.get(group, node)
+
     seeds = as_pair_config(load("model_pair", "qwen2.5_1.5b_math7b"))
     assert (seeds.student, seeds.teacher, seeds.dtype) == ("Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-Math-7B-Instruct", "bfloat16")
     assert as_pair_config(load("model_pair", "qwen3")).teacher == "Qwen/Qwen3-8B"

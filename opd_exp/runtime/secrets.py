@@ -39,7 +39,8 @@ _SECRET_ASSIGNMENT = re.compile(
 def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
     """Values of credential-like environment variables (WANDB_API_KEY, HF_TOKEN, ...)."""
     env = os.environ if environ is None else environ
-    return sorted({v for k, v in env.items() if SECRET_NAME.search(k) and len(v) >= 8}, key=len, reverse=True)
+    # longest first (a secret inside another is replaced after it), then by value: the same order every run
+    return sorted({v for k, v in env.items() if SECRET_NAME.search(k) and len(v) >= 8}, key=lambda v: (-len(v), v))
 
 
 def scrub(obj: Any, secrets: Iterable[str] | None = None) -> Any:
