@@ -44,6 +44,10 @@ def test_the_installed_package_is_the_wheel_with_its_files(installed):
         target / "opd_exp" / "sweeps" / "sweep" / "divergence.yaml"
     ).is_file()
     assert list((target / "opd_exp" / "pairs" / "embedded" / "shipped").glob("embedded-teacher-*/model.safetensors"))
+    # Hydra's own plugin scan (any Hydra app in the environment, before opd_exp is imported) loads our launchers
+    scan = "from hydra.core.plugins import Plugins; print(sorted(c for c in Plugins.instance().class_name_to_class if 'opd_exp' in c))"
+    found = _run([sys.executable, "-c", scan], cwd, env).stdout.strip()
+    assert "dry_launcher.DryLauncher" in found and "local_launcher.LocalLauncher" in found, found
 
 
 @pytest.mark.slow

@@ -6,7 +6,8 @@ typo in the fifth variant of a sweep is found before the first four have spent t
 Nothing is written: no job folder, no W&B run.
 """
 
-from __future__ import annotations
+# No `from __future__ import annotations`: Hydra scans plugins with exec_module and no sys.modules
+# entry, where a dataclass with string annotations fails (every Hydra app in the environment would).
 
 from collections.abc import Sequence
 from dataclasses import dataclass
