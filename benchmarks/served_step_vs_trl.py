@@ -50,16 +50,11 @@ ARMS = {
 
 
 def _config(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
+    from opd_exp.cli.compose import compose_config
 
-    from opd_exp.cli.train import to_train_config
-    from opd_exp.config import register_configs
-
-    register_configs()
     base = ["experiment=smollm2_recovery", "trainer.batch_size=8", "rollout.max_new_tokens=6", "trainer.lr=1e-4"]
     base += ["trainer.warmup_steps=0", "trainer.progress=false", "trainer.num_threads=1", "trainer.eval_size=2"]
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
-        return to_train_config(compose("train", overrides=[*base, *overrides]))
+    return compose_config(*base, *overrides)
 
 
 class Timer:
@@ -100,7 +95,7 @@ def _server_cpu(pid: int | None) -> float:
             t = p.cpu_times()
             total += t.user + t.system
         except psutil.NoSuchProcess:
-            pass
+            pass  # a worker that ended between listing and reading: its time is already in its parent's
     return total
 
 

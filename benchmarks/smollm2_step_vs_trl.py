@@ -66,26 +66,17 @@ class Clock:
 
 
 def _config(batch: int, max_new: int):
-    from hydra import compose, initialize_config_dir
+    from opd_exp.cli.compose import compose_config
 
-    from opd_exp.cli.train import to_train_config
-    from opd_exp.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
-        cfg = compose(
-            "train",
-            overrides=[
-                "experiment=smollm2_recovery",
-                f"trainer.batch_size={batch}",
-                f"rollout.max_new_tokens={max_new}",
-                f"trainer.lr={LR}",
-                "trainer.warmup_steps=0",
-                "trainer.progress=false",
-                "trainer.num_threads=1",
-            ],
-        )
-    return to_train_config(cfg)
+    return compose_config(
+        "experiment=smollm2_recovery",
+        f"trainer.batch_size={batch}",
+        f"rollout.max_new_tokens={max_new}",
+        f"trainer.lr={LR}",
+        "trainer.warmup_steps=0",
+        "trainer.progress=false",
+        "trainer.num_threads=1",
+    )
 
 
 def _prompts(cfg, task, tokenizer, steps: int) -> list[list[str]]:

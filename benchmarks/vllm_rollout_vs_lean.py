@@ -25,31 +25,21 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
 ENGINES = ("lean", "vllm")
 
 
 def _config(batch: int, max_new: int):
-    from hydra import compose, initialize_config_dir
+    from opd_exp.cli.compose import compose_config
 
-    from opd_exp.cli.train import to_train_config
-    from opd_exp.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(version_base="1.3", config_dir=str(ROOT / "conf")):
-        cfg = compose(
-            "train",
-            overrides=[
-                "experiment=smollm2_recovery",
-                "rollout.engine=vllm",
-                "rollout.vllm_gpu_memory_utilization=0.05",  # on CPU: the share of RAM vLLM may reserve
-                f"rollout.max_new_tokens={max_new}",
-                f"trainer.batch_size={batch}",
-                "trainer.num_threads=1",
-                "trainer.progress=false",
-            ],
-        )
-    return to_train_config(cfg)
+    return compose_config(
+        "experiment=smollm2_recovery",
+        "rollout.engine=vllm",
+        "rollout.vllm_gpu_memory_utilization=0.05",  # on CPU: the share of RAM vLLM may reserve
+        f"rollout.max_new_tokens={max_new}",
+        f"trainer.batch_size={batch}",
+        "trainer.num_threads=1",
+        "trainer.progress=false",
+    )
 
 
 def _timed(fn, *args, **kwargs):

@@ -410,12 +410,8 @@ def smollm2_pair():
 
 
 def smollm2_config(*overrides: str):
-    from hydra import compose, initialize_config_dir
+    from opd_exp.cli.compose import compose_config
 
-    from opd_exp.cli.train import CONF_DIR, to_train_config
-    from opd_exp.config import register_configs
-
-    register_configs()
     shrink = [
         "experiment=smollm2_recovery",
         "estimator=topk",
@@ -429,8 +425,7 @@ def smollm2_config(*overrides: str):
         "trainer.fused_lm_head=off",
         "trainer.num_threads=1",
     ]
-    with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR):
-        return to_train_config(compose("train", overrides=[*shrink, *overrides]))
+    return compose_config(*shrink, *overrides)
 
 
 @pytest.mark.vllm

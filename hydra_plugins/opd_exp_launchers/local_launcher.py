@@ -105,7 +105,7 @@ class LocalLauncher(Launcher):
                     else:
                         outcomes[num] = (kind, value)
             except (EOFError, OSError):
-                pass
+                pass  # the job closed its pipe (it ended or was killed): its exit code says which
             except Exception as ex:  # a message that does not load: the job fails, the others go on
                 outcomes[num] = ("failed", (f"its result could not be read ({type(ex).__name__}: {ex})", 2))
 

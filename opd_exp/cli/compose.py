@@ -171,3 +171,16 @@ def check_shown_config(argv: list[str]) -> None:
         with open_dict(cfg):
             del cfg["hydra"]
         validated(cfg, hc)
+
+
+def compose_config(*overrides: str) -> TrainConfig:
+    """The validated ``TrainConfig`` ``opd-train <overrides>`` would run, without running it: for
+    scripts, benchmarks and notebooks (registered plugins included)."""
+    from hydra import compose, initialize_config_dir
+
+    from opd_exp.config import register_configs
+    from opd_exp.config.folders import CONF_DIR
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return to_train_config(compose("train", overrides=list(overrides)))

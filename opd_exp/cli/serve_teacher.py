@@ -132,7 +132,7 @@ class TeacherServer:
                     if any(m.get("id") == self.o.name for m in json.loads(r.read()).get("data", [])):
                         return
             except (OSError, ValueError):
-                pass
+                pass  # not listening (or not answering JSON) yet: ask again until the start-up timeout
             time.sleep(1.0)
         raise ConfigError(
             f"opd-serve-teacher: the vLLM server at {self.o.url} was not ready within ready_s={ready_s:g} s; allowed: a larger ready_s"
@@ -149,7 +149,7 @@ class TeacherServer:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         except ProcessLookupError:
-            pass
+            pass  # the server's group is already gone: nothing left to stop
 
     def __enter__(self) -> TeacherServer:
         return self
@@ -172,14 +172,9 @@ def _split(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
+    from opd_exp.cli.compose import compose_config
 
-    from opd_exp.cli.train import CONF_DIR, to_train_config
-    from opd_exp.config import register_configs
-
-    register_configs()
-    with initialize_config_dir(version_base="1.3", config_dir=CONF_DIR):
-        return to_train_config(compose("train", overrides=["logger=none", *overrides]))
+    return compose_config("logger=none", *overrides)
 
 
 def options_from_args(argv: list[str]) -> ServeOptions:

@@ -190,16 +190,7 @@ def student_topk_estimate(
     set). Unbiased at every k. ``teacher_logprobs`` ``[..., V]``: the teacher's (tempered,
     normalised) log-probs; with a teacher that scores given ids instead, call ``set_estimate``
     with ``student_topk_ids``."""
-    ids = student_topk_ids(student_logits, k)
-    return set_estimate(
-        div,
-        student_logits,
-        ids,
-        teacher_logprobs.gather(-1, ids),
-        sampled_ids,
-        _gather(teacher_logprobs, sampled_ids),
-        temperature=temperature,
-    )
+    return _dense_set_estimate(div, student_logits, teacher_logprobs, student_topk_ids(student_logits, k), sampled_ids, temperature)
 
 
 def union_topk_estimate(
@@ -214,16 +205,13 @@ def union_topk_estimate(
     """Exact over the union of the student's and the teacher's top-k (verl's set), sampled tail.
     Unbiased at every k."""
     ids, valid = union_ids(teacher_logprobs.detach().topk(k, dim=-1).indices, student_topk_ids(student_logits, k))
-    return set_estimate(
-        div,
-        student_logits,
-        ids,
-        teacher_logprobs.gather(-1, ids),
-        sampled_ids,
-        _gather(teacher_logprobs, sampled_ids),
-        set_valid=valid,
-        temperature=temperature,
-    )
+    return _dense_set_estimate(div, student_logits, teacher_logprobs, ids, sampled_ids, temperature, valid)
+
+
+def _dense_set_estimate(div, student_logits, teacher_logprobs, ids, sampled_ids, temperature, set_valid=None) -> TopkEstimate:
+    """``set_estimate`` over ``ids`` with the teacher's log-probs read off its dense ``[..., V]`` row."""
+    t_set, t_y = teacher_logprobs.gather(-1, ids), _gather(teacher_logprobs, sampled_ids)
+    return set_estimate(div, student_logits, ids, t_set, sampled_ids, t_y, set_valid=set_valid, temperature=temperature)
 
 
 def _kl_direction(div: Divergence) -> str:

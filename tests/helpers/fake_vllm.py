@@ -63,8 +63,8 @@ class FakeVllm:
         fake = self
 
         class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):  # quiet
-                pass
+            def log_message(self, *args):  # no access log on the test's stderr
+                return
 
             def _send(self, code: int, obj) -> None:
                 body = json.dumps(obj).encode() if not isinstance(obj, bytes) else obj

@@ -26,7 +26,7 @@ def _cpu() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     except OSError:
-        pass
+        pass  # no /proc (not Linux): the platform's own name below
     return platform.processor() or platform.machine()
 
 
