@@ -87,3 +87,14 @@ def test_a_w_and_b_key_pasted_as_the_project_is_refused(tmp_path, monkeypatch, c
     ]
     assert not (run / "wandb").exists()
     assert _leaks(run, [WANDB_KEY]) == []
+
+
+def test_an_error_line_that_quotes_a_credential_prints_it_redacted():
+    """A served teacher's URL (or any value an error line quotes) with a token in it: the line
+    opd-train prints on stderr, which lands in CI logs, carries no credential."""
+    from opd_exp.cli.errors import one_line
+    from opd_exp.runtime.errors import ConfigError
+
+    token = "ghp_" + "abcdefghijklmnopqrstuvwxyz0123456789"
+    line = one_line(ConfigError(f"teacher.url=http://u:{token}@127.0.0.1:9 (model 'teacher'): cannot reach the server"))
+    assert token not in line and line == f"teacher.url=http://u:{REDACTED}@127.0.0.1:9 (model 'teacher'): cannot reach the server"

@@ -5,9 +5,16 @@ from __future__ import annotations
 
 from opd_exp.runtime.errors import ConfigError, first_line
 from opd_exp.runtime.guards import Diverged
+from opd_exp.runtime.secrets import redact_line
 
 
 def one_line(ex: BaseException) -> str:
+    """The error as the one line ``opd-train`` prints, credentials redacted: a line that quotes
+    a value (``teacher.url=...``, an override) lands in terminals and CI logs."""
+    return redact_line(_one_line(ex))
+
+
+def _one_line(ex: BaseException) -> str:
     """Hydra/OmegaConf errors span lines (search paths, options, object types): one line."""
     import re
 

@@ -73,6 +73,15 @@ def redact_label(text: str | None, secrets: Iterable[str] | None = None) -> str 
     return WANDB_KEY_SHAPE.sub(REDACTED, scrub(str(text), secrets))
 
 
+def redact_line(text: str, secrets: Iterable[str] | None = None) -> str:
+    """A message line (an error on stderr) with credentials redacted: credential-like environment
+    values and token-shaped values only; no ``key: value`` guessing, which would eat the message
+    (``logger.api_key: unknown key``)."""
+    for value in secret_values() if secrets is None else secrets:
+        text = text.replace(value, REDACTED)
+    return TOKEN_SHAPE.sub(REDACTED, text)
+
+
 def scrub_text(text: str, secrets: Iterable[str] | None = None) -> str:
     """Text of a YAML record or a command line with credentials redacted: values of
     credential-like keys (``api_key: ...``, ``HF_TOKEN=...``), credential-like environment
