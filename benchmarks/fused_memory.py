@@ -5,7 +5,7 @@ One step = student forward (with grad) + teacher forward (no grad) + the full-vo
 layers, tied embeddings) whose vocabulary is V, over N sequences of an 8-token prompt and R
 response tokens (every position counts). Implementations:
 
-  materialised  opd-exp with trainer.fused_lm_head=off: the models' LM heads give [N, R, V]
+  materialised  opd-exp with scale.fused_lm_head=off: the models' LM heads give [N, R, V]
                 logits for both, then the chunked divergence
   fused         opd-exp's fused path (opd_exp/training/fused.py): backbones only, then LM heads,
                 objective and gradient a chunk of positions at a time

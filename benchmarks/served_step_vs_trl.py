@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TOPK = ["estimator=topk", "estimator.k=16", "trainer.micro_batch_size=2", "trainer.fused_lm_head=off"]
+TOPK = ["estimator=topk", "estimator.k=16", "trainer.micro_batch_size=2", "scale.fused_lm_head=off"]
 QUIET = ["trainer.exact_metrics=false", "trainer.overlap_k=0"]
 ARMS = {
     "in-process (full)": [],
@@ -53,7 +53,7 @@ def _config(overrides: list[str]):
     from opd_exp.cli.compose import compose_config
 
     base = ["experiment=smollm2_recovery", "trainer.batch_size=8", "rollout.max_new_tokens=6", "trainer.lr=1e-4"]
-    base += ["trainer.warmup_steps=0", "trainer.progress=false", "trainer.num_threads=1", "trainer.eval_size=2"]
+    base += ["trainer.warmup_steps=0", "trainer.progress=false", "scale.num_threads=1", "eval.size=2"]
     return compose_config(*base, *overrides)
 
 

@@ -43,7 +43,7 @@ def main() -> None:
         server = TeacherServer(options_from_args(["model_pair=smollm2", f"port={args.port}", "teacher.k=16"])).start()
         url = server.o.url
     # monitors off: a sparse teacher has no exact/* or overlap/*, so all three variants do the same work
-    common = [f"trainer.max_steps={args.steps}", "trainer.batch_size=8", "trainer.micro_batch_size=2", "trainer.eval_size=2"]
+    common = [f"trainer.max_steps={args.steps}", "trainer.batch_size=8", "trainer.micro_batch_size=2", "eval.size=2"]
     common += ["trainer.exact_metrics=false", "trainer.overlap_k=0"]
     variants = {
         "in_process": [],

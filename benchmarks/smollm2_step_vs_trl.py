@@ -75,7 +75,7 @@ def _config(batch: int, max_new: int):
         f"trainer.lr={LR}",
         "trainer.warmup_steps=0",
         "trainer.progress=false",
-        "trainer.num_threads=1",
+        "scale.num_threads=1",
     )
 
 

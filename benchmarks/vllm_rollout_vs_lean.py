@@ -37,7 +37,7 @@ def _config(batch: int, max_new: int):
         "rollout.vllm_gpu_memory_utilization=0.05",  # on CPU: the share of RAM vLLM may reserve
         f"rollout.max_new_tokens={max_new}",
         f"trainer.batch_size={batch}",
-        "trainer.num_threads=1",
+        "scale.num_threads=1",
         "trainer.progress=false",
     )
 

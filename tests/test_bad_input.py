@@ -41,7 +41,7 @@ class Ctx:
             pair_args(self.pair)
             + BASE
             + QUICK
-            + ["task=gsm8k", f"task.path={path}", "task.n_eval=2", "trainer.eval_size=2", "rollout.max_prompt_tokens=48"]
+            + ["task=gsm8k", f"task.path={path}", "task.n_eval=2", "eval.size=2", "rollout.max_prompt_tokens=48"]
         )
 
 
@@ -69,7 +69,7 @@ cfg("config/n_samples_0", ["rollout.n_samples=0"], "rollout.n_samples=0 is not a
 cfg("config/lr_negative", ["trainer.lr=-1e-3"], "trainer.lr=-0.001 is not allowed; allowed: >= 0")
 cfg("config/on_policy_fraction_2", ["rollout.on_policy_fraction=2"], "rollout.on_policy_fraction=2.0 is not allowed")
 cfg("config/max_bad_steps_0", ["trainer.max_bad_steps=0"], "trainer.max_bad_steps=0 is not allowed; allowed: integer >= 1")
-cfg("config/device_unknown", ["trainer.device=tpu"], "trainer.device='tpu' is not allowed; allowed: auto, cpu, cuda, cuda:N, mps")
+cfg("config/device_unknown", ["scale.device=tpu"], "scale.device='tpu' is not allowed; allowed: auto, cpu, cuda, cuda:N, mps")
 cfg("config/unknown_key_plus", ["+foo=1"], "foo: unknown key; allowed:")
 cfg("config/unknown_key_in_group", ["trainer.nope=1"], "trainer.nope")
 cfg("config/unknown_group_option", ["divergence=nope"], "divergence=nope: no such option; allowed: " + ", ".join(sorted(DIVERGENCES)))
@@ -98,7 +98,7 @@ case("data/answer_without_marker", 2, "row 0 is not a GSM8K row")(lambda ctx: ct
 case("data/row_not_an_object", 2, "row 0 is a JSON list, not an object")(lambda ctx: ctx.gsm8k("[1, 2]\n"))
 case("data/missing_file", 2, "does not exist")(
     lambda ctx: (
-        ctx.gsm8k("")[:-4] + ["task.path=/no/such/gsm8k.jsonl", "task.n_eval=2", "trainer.eval_size=2", "rollout.max_prompt_tokens=48"]
+        ctx.gsm8k("")[:-4] + ["task.path=/no/such/gsm8k.jsonl", "task.n_eval=2", "eval.size=2", "rollout.max_prompt_tokens=48"]
     )
 )
 
@@ -233,14 +233,14 @@ def _nan_teacher(ctx):
         assert "last checkpoint intact: " in err and "step_000002" in err
 
     ctx.checks.append(intact)
-    return pair_args(ctx.pair) + BASE + ["trainer.max_steps=6", "trainer.save_every=2", "trainer.max_bad_steps=2"]
+    return pair_args(ctx.pair) + BASE + ["trainer.max_steps=6", "checkpoint.every=2", "trainer.max_bad_steps=2"]
 
 
 # -- the run folder ---------------------------------------------------------------------------
 @case("run_dir/failed_start_keeps_an_existing_run", 2, "model_pair.teacher: local folder '/no/such/teacher' does not exist")
 def _failed_start(ctx):
     run = ctx.tmp / "run"
-    code, _, err = run_in_process(pair_args(ctx.pair) + BASE + QUICK + ["trainer.save_every=1"], run, ctx.monkeypatch, ctx.capsys)
+    code, _, err = run_in_process(pair_args(ctx.pair) + BASE + QUICK + ["checkpoint.every=1"], run, ctx.monkeypatch, ctx.capsys)
     assert code == 0, err
     before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file() and ".hydra" not in p.parts}
 
@@ -249,8 +249,8 @@ def _failed_start(ctx):
         assert after == before  # metrics.jsonl, summary.json and every checkpoint byte-identical
 
     ctx.checks.append(unchanged)
-    # trainer.extend: past the settings check (a new teacher path), so the start fails on the missing teacher
-    return pair_args(ctx.pair, teacher="/no/such/teacher") + BASE + ["trainer.max_steps=4", "trainer.extend=true"]
+    # checkpoint.extend: past the settings check (a new teacher path), so the start fails on the missing teacher
+    return pair_args(ctx.pair, teacher="/no/such/teacher") + BASE + ["trainer.max_steps=4", "checkpoint.extend=true"]
 
 
 @case("run_dir/under_a_file", 2, "cannot write the run folder or read an input")

@@ -55,7 +55,7 @@ def test_every_experiment_composes(experiment):
     cfg = to_train_config(_compose([f"experiment={experiment}"]))
     if experiment == "smollm2_recovery":  # the laptop-sized real pair
         assert (cfg.model_pair.student, cfg.model_pair.teacher) == ("smollm2:student", "smollm2:teacher")
-        assert cfg.task.name == "chat_arithmetic" and cfg.divergence.name.value == "rkl" and cfg.trainer.device == "cpu"
+        assert cfg.task.name == "chat_arithmetic" and cfg.divergence.name.value == "rkl" and cfg.scale.device == "cpu"
         return
     assert "Qwen2.5" in cfg.model_pair.student and "Qwen2.5-Math-7B" in cfg.model_pair.teacher
     assert cfg.task.name == "gsm8k" and cfg.loss.kl_coef == 1.0

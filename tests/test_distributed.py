@@ -44,7 +44,7 @@ def test_row_seeds_depend_on_the_global_row_not_the_rank():
 def test_parallel_none_under_torchrun_fails_with_one_line(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "0")
-    with pytest.raises(ConfigError, match="trainer.parallel='none' under torchrun"):
+    with pytest.raises(ConfigError, match="scale.parallel='none' under torchrun"):
         D.setup("none", "cpu")
 
 
@@ -96,8 +96,8 @@ STEPS = 4
 ARGS = BASE + [
     f"trainer.max_steps={STEPS}",
     "trainer.schedule=constant",
-    "trainer.save_every=2",
-    "trainer.keep_checkpoints=3",
+    "checkpoint.every=2",
+    "checkpoint.keep=3",
     "estimator=sampled",
     "loss=reinforce",
     "divergence=jsd",
@@ -151,12 +151,12 @@ final_weights_initial: dict = {}
 
 @pytest.fixture(scope="module")
 def reference(local_pair_dir, tmp_path_factory):
-    """One process, trainer.parallel=ddp (a world of one: row-keyed sampling, no process group)."""
+    """One process, scale.parallel=ddp (a world of one: row-keyed sampling, no process group)."""
     from safetensors.torch import load_file
 
     final_weights_initial.update(load_file(str(local_pair_dir / "student" / "model.safetensors")))
     run_dir = tmp_path_factory.mktemp("single") / "run"
-    res = run_subprocess(pair_args(local_pair_dir) + ARGS + ["trainer.parallel=ddp"], run_dir)
+    res = run_subprocess(pair_args(local_pair_dir) + ARGS + ["scale.parallel=ddp"], run_dir)
     assert res.returncode == 0, res.stderr[-3000:]
     return run_dir
 
@@ -165,7 +165,7 @@ def reference(local_pair_dir, tmp_path_factory):
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_processes_reproduce_one(parallel, reference, local_pair_dir, tmp_path):
     run_dir = tmp_path / "run"
-    res = torchrun(pair_args(local_pair_dir) + ARGS + [f"trainer.parallel={parallel}"], run_dir)
+    res = torchrun(pair_args(local_pair_dir) + ARGS + [f"scale.parallel={parallel}"], run_dir)
     assert res.returncode == 0, res.stderr[-4000:]
     assert_same_run(reference, run_dir)
     assert len(read_metrics(run_dir)) == len(read_metrics(reference))  # rank 0 alone writes metrics
@@ -176,11 +176,11 @@ def test_two_processes_reproduce_one(parallel, reference, local_pair_dir, tmp_pa
 def test_resume_across_world_sizes(reference, local_pair_dir, tmp_path):
     """Half the steps in one process, the rest in two (DDP): the same run as the reference."""
     run_dir = tmp_path / "run"
-    first = run_subprocess(pair_args(local_pair_dir) + ARGS + ["trainer.parallel=ddp", f"trainer.max_steps={STEPS // 2}"], run_dir)
+    first = run_subprocess(pair_args(local_pair_dir) + ARGS + ["scale.parallel=ddp", f"trainer.max_steps={STEPS // 2}"], run_dir)
     assert first.returncode == 0, first.stderr[-3000:]
     # the eval after step 2 of the short run is not in the reference's log: compare steps only;
     # more steps than the checkpoint's run is an extension, asked for (the schedule is constant)
-    res = torchrun(pair_args(local_pair_dir) + ARGS + ["trainer.parallel=ddp", "trainer.extend=true"], run_dir)
+    res = torchrun(pair_args(local_pair_dir) + ARGS + ["scale.parallel=ddp", "checkpoint.extend=true"], run_dir)
     assert res.returncode == 0, res.stderr[-4000:]
     assert_same_run(reference, run_dir)
 
@@ -188,7 +188,7 @@ def test_resume_across_world_sizes(reference, local_pair_dir, tmp_path):
 @pytest.mark.slow
 def test_batch_that_does_not_split_fails_at_start_up(local_pair_dir, tmp_path):
     res = torchrun(
-        pair_args(local_pair_dir) + ARGS + ["trainer.parallel=ddp", "trainer.batch_size=1", "rollout.n_samples=1"], tmp_path / "run"
+        pair_args(local_pair_dir) + ARGS + ["scale.parallel=ddp", "trainer.batch_size=1", "rollout.n_samples=1"], tmp_path / "run"
     )
     assert res.returncode != 0  # each rank exits 2; torchrun reports 1
     assert "opd-train: error: trainer.batch_size x rollout.n_samples = 1 rows cannot be split evenly over 2 ranks" in res.stderr
@@ -203,7 +203,7 @@ def test_preempted_two_process_run_resumes(local_pair_dir, tmp_path):
     import time
 
     steps = 24
-    args = pair_args(local_pair_dir) + ARGS + ["trainer.parallel=ddp", f"trainer.max_steps={steps}", "trainer.save_every=0"]
+    args = pair_args(local_pair_dir) + ARGS + ["scale.parallel=ddp", f"trainer.max_steps={steps}", "checkpoint.every=0"]
     full = torchrun(args, tmp_path / "full")
     assert full.returncode == 0, full.stderr[-3000:]
 

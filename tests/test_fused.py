@@ -243,7 +243,7 @@ def test_auto_keeps_small_vocabularies_materialised_and_on_refuses_what_it_canno
     cfg = small_config(trainer=dict(fused_lm_head=FusedLmHead.on))
     with pytest.raises(
         ConfigError,
-        match=r"trainer.fused_lm_head='on' is not allowed; allowed: auto or off here \(the teacher its config sets final_logit_softcapping=30.0",
+        match=r"scale.fused_lm_head='on' is not allowed; allowed: auto or off here \(the teacher its config sets final_logit_softcapping=30.0",
     ):
         Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask())
 
@@ -264,8 +264,8 @@ def test_fused_step_with_nonfinite_teacher_logits_is_skipped(tiny_pair, tmp_path
 @pytest.mark.parametrize(
     "trainer,message",
     [
-        (dict(parallel="ddp"), "trainer.fused_lm_head='on' is not allowed; allowed: auto or off with trainer.parallel=ddp"),
-        (dict(lora_rank=4), "trainer.fused_lm_head='on' is not allowed; allowed: auto or off with trainer.lora_rank > 0"),
+        (dict(parallel="ddp"), "scale.fused_lm_head='on' is not allowed; allowed: auto or off with scale.parallel=ddp"),
+        (dict(lora_rank=4), "scale.fused_lm_head='on' is not allowed; allowed: auto or off with scale.lora_rank > 0"),
     ],
 )
 def test_fused_on_refuses_what_it_cannot_do_before_any_model_loads(trainer, message):

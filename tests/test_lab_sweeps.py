@@ -34,7 +34,7 @@ def test_lab_sweeps_pick_what_their_claims_need():
     assert p["variant"] == ["rkl", "fkl", "jsd_0.1", "jsd_0.5", "jsd_0.9"]
     _, cfg = compose_job(["sweep=lab_kl_direction", "variant=jsd_0.9", "seed=0"])
     assert (cfg.task.name, cfg.divergence.name.value, cfg.divergence.beta) == ("multimodal", "jsd", 0.9)
-    assert cfg.trainer.eval_samples > 0
+    assert cfg.eval.samples > 0
     assert _params("lab_on_policy")["rollout.on_policy_fraction"] == ["0.0", "0.25", "0.5", "0.75", "1.0"]
     p = _params("lab_prefix_x_kl")
     assert len(p["rollout.on_policy_fraction"]) == 2 and len(p["divergence"]) == 2
@@ -62,10 +62,10 @@ TINY = [
     "task.n_eval=6",
     "trainer.max_steps=2",
     "trainer.batch_size=3",
-    "trainer.eval_every=0",
-    "trainer.eval_size=3",
-    "trainer.eval_samples=2",
-    "trainer.device=cpu",
+    "eval.every=0",
+    "eval.size=3",
+    "eval.samples=2",
+    "scale.device=cpu",
     "logger=none",
     "seed=0",
 ]

@@ -83,7 +83,7 @@ def test_local_launcher_a_killed_job_fails_alone_with_one_line(tmp_path):
 
     sweep = tmp_path / "sweep"
     env = {**os.environ, "WANDB_MODE": "offline", "OPD_EXP_CACHE": str(tmp_path / "cache"), "OMP_NUM_THREADS": "1"}
-    args = ["divergence=rkl,fkl,jsd", "trainer.max_steps=2", "trainer.eval_size=2", "trainer.progress=false", "logger=none"]
+    args = ["divergence=rkl,fkl,jsd", "trainer.max_steps=2", "eval.size=2", "trainer.progress=false", "logger=none"]
     cmd = [
         sys.executable,
         "-m",

@@ -69,7 +69,7 @@ def test_defaults_are_one_update_per_rollout():
         ),
         (
             {"loss": {"ppo_epochs": 2}, "trainer": {"fused_lm_head": "on"}},
-            "loss.ppo_epochs=2 is not allowed; allowed: 1 with trainer.fused_lm_head=on (the fused path makes one update per "
+            "loss.ppo_epochs=2 is not allowed; allowed: 1 with scale.fused_lm_head=on (the fused path makes one update per "
             "rollout); allowed: auto or off",
         ),
         (

@@ -104,22 +104,22 @@ def test_teacher_on_another_device_gives_the_same_step(tiny_pair, add_task, tmp_
 
 
 def test_teacher_device_choices():
-    tc = S.TrainerConfig(teacher_device="same")
+    tc = S.ScaleConfig(teacher_device="same")
     assert P.teacher_device(tc, torch.device("cpu")) == torch.device("cpu")
-    assert P.teacher_device(S.TrainerConfig(teacher_device="cpu"), torch.device("cpu")) == torch.device("cpu")
-    with pytest.raises(ConfigError, match="trainer.teacher_device"):
-        S.TrainerConfig(teacher_device="gpu1")
+    assert P.teacher_device(S.ScaleConfig(teacher_device="cpu"), torch.device("cpu")) == torch.device("cpu")
+    with pytest.raises(ConfigError, match="scale.teacher_device"):
+        S.ScaleConfig(teacher_device="gpu1")
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="CUDA is not available"):
-            P.teacher_device(S.TrainerConfig(teacher_device="cuda:1"), torch.device("cpu"))
+            P.teacher_device(S.ScaleConfig(teacher_device="cuda:1"), torch.device("cpu"))
 
 
 def test_schema_refuses_what_cannot_work():
-    with pytest.raises(ConfigError, match="trainer.precision='fp16'"):
+    with pytest.raises(ConfigError, match="scale.precision='fp16'"):
         small_config(trainer=dict(param_dtype=S.ParamDtype.bf16, precision="fp16"))
-    with pytest.raises(ConfigError, match="trainer.lora_rank"):
-        S.TrainerConfig(lora_rank=-1)
-    with pytest.raises(ConfigError, match="trainer.teacher_device='cuda:1'.*trainer.parallel=ddp"):
+    with pytest.raises(ConfigError, match="scale.lora_rank"):
+        S.ScaleConfig(lora_rank=-1)
+    with pytest.raises(ConfigError, match="scale.teacher_device='cuda:1'.*scale.parallel=ddp"):
         small_config(trainer=dict(parallel=S.Parallel.ddp, teacher_device="cuda:1"))
     with pytest.raises(ConfigError, match="rollout.engine='vllm'"):
         small_config(rollout=dict(engine=S.RolloutEngine.vllm), trainer=dict(parallel=S.Parallel.ddp))
@@ -139,7 +139,7 @@ def test_lora_without_peft_fails_before_models_load(monkeypatch, tmp_path, add_t
     with pytest.raises(ConfigError) as ex:
         Trainer(cfg, tmp_path / "run", pair=Boom(), task=add_task)
     msg = str(ex.value)
-    assert "\n" not in msg and "trainer.lora_rank=4 needs the peft package" in msg and "opd-exp[lora]" in msg
+    assert "\n" not in msg and "scale.lora_rank=4 needs the peft package" in msg and "opd-exp[lora]" in msg
 
 
 @pytest.mark.skipif(not HAS_PEFT, reason="peft not installed (pip install 'opd-exp[lora]')")
@@ -180,4 +180,4 @@ def copy_pair(pair, **kw):
 @pytest.mark.skipif(not HAS_PEFT, reason="peft not installed")
 def test_lora_unknown_target_module_fails_with_one_line(tiny_pair):
     with pytest.raises(ConfigError, match="lora_target_modules"):
-        P.add_lora(tiny_pair.student, S.TrainerConfig(lora_rank=2, lora_target_modules=["qkv"]))
+        P.add_lora(tiny_pair.student, S.ScaleConfig(lora_rank=2, lora_target_modules=["qkv"]))

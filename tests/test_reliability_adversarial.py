@@ -136,7 +136,7 @@ def test_multirun_with_cfg_job_is_one_line(local_pair_dir, tmp_path, monkeypatch
 
 
 def test_a_large_seed_derives_step_seeds_without_overflow(local_pair_dir, tmp_path, monkeypatch, capsys):
-    args = quick(local_pair_dir, f"seed={2**63 - 1}", "trainer.eval_every=1")
+    args = quick(local_pair_dir, f"seed={2**63 - 1}", "eval.every=1")
     code, _, err = run_in_process(args, tmp_path / "run", monkeypatch, capsys)
     assert code == 0, err
     assert [r["step"] for r in read_metrics(tmp_path / "run")] == [0, 1, 2]
@@ -373,10 +373,10 @@ def test_a_utf8_bom_is_not_part_of_the_data(tmp_path):
 def test_cuda_without_a_gpu_is_refused_before_loading(local_pair_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     no_model_loads(monkeypatch)
-    args = [a for a in quick(local_pair_dir) if a != "trainer.device=cpu"] + ["trainer.device=cuda"]
+    args = [a for a in quick(local_pair_dir) if a != "scale.device=cpu"] + ["scale.device=cuda"]
     code, _, err = run_in_process(args, tmp_path / "run", monkeypatch, capsys)
     assert code == 2
-    assert "trainer.device='cuda': no CUDA GPU is visible to torch" in one_error_line(err)
+    assert "scale.device='cuda': no CUDA GPU is visible to torch" in one_error_line(err)
 
 
 # -- memory pre-flight ------------------------------------------------------------------------------
@@ -457,7 +457,7 @@ def test_a_full_disk_is_one_line_and_freeing_space_is_enough_to_resume(local_pai
 
     monkeypatch.setattr(checkpoint.torch, "save", full_disk)
     run = tmp_path / "run"
-    args = pair_args(local_pair_dir) + BASE + ["trainer.max_steps=3", "trainer.save_every=1"]
+    args = pair_args(local_pair_dir) + BASE + ["trainer.max_steps=3", "checkpoint.every=1"]
     code, _, err = run_in_process(args, run, monkeypatch, capsys)
     line = one_error_line(err)
     assert code == 2 and "hydra.run.dir: cannot write checkpoint step_000002 in " in line, line
@@ -534,7 +534,7 @@ def test_read_metrics_counts_a_non_utf8_line_and_goes_on(tmp_path):
 @pytest.mark.slow
 def test_ctrl_c_saves_at_the_step_boundary_and_exits_75(local_pair_dir, tmp_path):
     run = tmp_path / "run"
-    args = pair_args(local_pair_dir) + BASE + ["trainer.max_steps=40", "trainer.save_every=0"]
+    args = pair_args(local_pair_dir) + BASE + ["trainer.max_steps=40", "checkpoint.every=0"]
     proc = popen(args, run)
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline and proc.poll() is None:

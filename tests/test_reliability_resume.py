@@ -18,9 +18,9 @@ from opd_exp.runtime.guards import EXIT_PREEMPTED
 STEPS = 80
 ARGS = BASE + [
     f"trainer.max_steps={STEPS}",
-    "trainer.save_every=7",
-    "trainer.eval_every=40",
-    "trainer.keep_checkpoints=2",
+    "checkpoint.every=7",
+    "eval.every=40",
+    "checkpoint.keep=2",
     "trainer.schedule=cosine",
     "trainer.warmup_steps=5",
     "rollout.on_policy_fraction=0.8",

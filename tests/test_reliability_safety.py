@@ -131,7 +131,7 @@ def test_no_credentials_in_the_run_folder(local_pair_dir, tmp_path, monkeypatch,
     )
     assert code == 2 and "logger.api_key: unknown key" in err
     code, _, err = run_in_process(
-        pair_args(local_pair_dir) + BASE + ["trainer.max_steps=2", "trainer.save_every=1", f"name=run-{FAKE_HF_TOKEN}"],
+        pair_args(local_pair_dir) + BASE + ["trainer.max_steps=2", "checkpoint.every=1", f"name=run-{FAKE_HF_TOKEN}"],
         run,
         monkeypatch,
         capsys,

@@ -1,5 +1,5 @@
 """Trusting a run folder: settings fingerprinted in every checkpoint, a resume with other
-settings refused (naming the keys) unless trainer.extend=true, which keeps the learning rate
+settings refused (naming the keys) unless checkpoint.extend=true, which keeps the learning rate
 continuous and records each session in history.yaml; train.log keeps the console lines."""
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def test_fingerprint_leaves_out_what_does_not_shape_the_run():
     a = config_fingerprint(_cfg())
     assert a["trainer.max_steps"] == 4 and a["divergence.name"] == "fkl" and a["trainer.lr"] == LR
     assert not any(k.startswith("logger.") for k in a)
-    for key in ("trainer.progress", "trainer.device", "trainer.eval_every", "trainer.extend", "trainer.save_every"):
+    for key in ("trainer.progress", "scale.device", "eval.every", "checkpoint.extend", "checkpoint.every"):
         assert key not in a
     assert config_fingerprint(_cfg(eval_every=7, progress=True, save_every=1)) == a
     assert config_fingerprint(_cfg(max_steps=5)) != a
@@ -49,7 +49,7 @@ def test_resume_with_other_settings_is_refused_naming_the_keys(tiny_pair, tmp_pa
     assert msg.startswith(
         f"hydra.run.dir: {tmp_path} holds a run made with other settings (trainer.lr: 0.01 -> 0.02, trainer.max_steps: 4 -> 8)"
     )
-    assert "allowed: the same settings to resume it, trainer.extend=true" in msg
+    assert "allowed: the same settings to resume it, checkpoint.extend=true" in msg
     # nothing was written by the refused session
     assert max(r["step"] for r in _rows(tmp_path)) == 2
     # the same settings resume, and say so
@@ -91,7 +91,7 @@ def test_eval_size_larger_than_the_eval_split_is_refused(tiny_pair, tmp_path):
     with pytest.raises(ConfigError) as ex:
         Trainer(_cfg(eval_size=100), tmp_path, pair=tiny_pair, task=AddTask(n_eval=16))
     assert str(ex.value) == (
-        "trainer.eval_size=100 is more than the 16 eval problems of task 'arithmetic'; "
+        "eval.size=100 is more than the 16 eval problems of task 'arithmetic'; "
         "allowed: 0 (the whole split) up to 16, or a larger task.n_eval"
     )
 
@@ -128,7 +128,7 @@ def test_extend_to_fewer_steps_than_reached_is_refused(tiny_pair, tmp_path):
     Trainer(_cfg(), tmp_path, pair=tiny_pair, task=AddTask()).run(stop_after=2)
     want = (
         f"trainer.max_steps=1 is below step 2, which the run in {tmp_path} has reached (nothing would be trained); "
-        f"allowed: trainer.max_steps >= 2 (more steps with trainer.extend=true), or a new hydra.run.dir"
+        f"allowed: trainer.max_steps >= 2 (more steps with checkpoint.extend=true), or a new hydra.run.dir"
     )
     for extend in (True, False):
         with pytest.raises(ConfigError) as ex:  # before anything starts (opd-train)...
@@ -153,7 +153,7 @@ def test_extend_onto_another_eval_set_measures_it_again(tiny_pair, tmp_path, mon
     summary = t.run()
     err = capsys.readouterr().err
     assert (
-        "opd-train: the extension changes what the eval measures (trainer.eval_size): the student is evaluated on the new eval "
+        "opd-train: the extension changes what the eval measures (eval.size): the student is evaluated on the new eval "
         "set at step 2 and the teacher's accuracy measured on it again; the summary's 'before' values are that evaluation "
         "(metrics.jsonl rows up to step 2 are on the old set)"
     ) in err
@@ -162,7 +162,7 @@ def test_extend_onto_another_eval_set_measures_it_again(tiny_pair, tmp_path, mon
     again = [r for r in rows if r["step"] == 2 and "eval/teacher_accuracy" in r]
     assert len(again) == 1 and again[0]["eval/teacher_accuracy"] == summary["eval/teacher_accuracy"]
     assert summary["eval/kl_reverse_before"] == again[0]["eval/kl_reverse"] != rows[0]["eval/kl_reverse"]
-    assert read_history(tmp_path)[-1]["eval_set_changed"] == ["trainer.eval_size"]
+    assert read_history(tmp_path)[-1]["eval_set_changed"] == ["eval.size"]
 
 
 def test_a_setting_added_after_the_checkpoint_is_no_difference_at_its_default():
@@ -191,7 +191,7 @@ def test_the_trainer_resumes_a_checkpoint_older_than_a_setting_at_its_default(tm
     now = fingerprint.config_fingerprint(cfg)
     older = {k: v for k, v in now.items() if not k.startswith("loss.ppo_")}
     lines = []
-    session, factor = resume_session(cfg.trainer, tmp_path, 2, older, now, 1e-3, 1e-3, lines.append)
+    session, factor = resume_session(cfg, tmp_path, 2, older, now, 1e-3, 1e-3, lines.append)
     assert session == {"session": "resume", "from_step": 2} and factor is None and lines == []
     with pytest.raises(ConfigError, match=r"other settings \(loss.ppo_epochs: None -> 3\)"):
-        resume_session(cfg.trainer, tmp_path, 2, older, {**now, "loss.ppo_epochs": 3}, 1e-3, 1e-3, lines.append)
+        resume_session(cfg, tmp_path, 2, older, {**now, "loss.ppo_epochs": 3}, 1e-3, 1e-3, lines.append)

@@ -134,7 +134,7 @@ def test_lean_engine_with_fsdp_is_refused_before_any_model_loads():
     from opd_exp.config.schema import Parallel, validate
     from opd_exp.runtime.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"rollout.engine='lean' is not allowed; allowed: hf or vllm with trainer.parallel=fsdp"):
+    with pytest.raises(ConfigError, match=r"rollout.engine='lean' is not allowed; allowed: hf or vllm with scale.parallel=fsdp"):
         validate(small_config(rollout=dict(engine=RolloutEngine.lean), trainer=dict(parallel=Parallel.fsdp)))
 
 

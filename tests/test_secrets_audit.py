@@ -79,7 +79,7 @@ def test_a_w_and_b_key_pasted_as_the_project_is_refused(tmp_path, monkeypatch, c
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
     run = tmp_path / "run"
     code, _out, err = run_cli(
-        ["logger=wandb", f"logger.project={WANDB_KEY}", "trainer.device=cpu", f"hydra.run.dir={run}"], monkeypatch, capsys
+        ["logger=wandb", f"logger.project={WANDB_KEY}", "scale.device=cpu", f"hydra.run.dir={run}"], monkeypatch, capsys
     )
     assert code == 2
     assert err.strip().splitlines() == [

@@ -419,11 +419,11 @@ def smollm2_config(*overrides: str):
         "trainer.max_steps=3",
         "trainer.batch_size=4",
         "trainer.micro_batch_size=2",
-        "trainer.eval_size=2",
-        "trainer.eval_batch_size=2",
+        "eval.size=2",
+        "eval.batch_size=2",
         "trainer.progress=false",
-        "trainer.fused_lm_head=off",
-        "trainer.num_threads=1",
+        "scale.fused_lm_head=off",
+        "scale.num_threads=1",
     ]
     return compose_config(*shrink, *overrides)
 

@@ -49,5 +49,5 @@ def test_replacing_the_teacher_weights_in_place_is_refused_on_resume(local_pair_
     assert one_error_line(err) == (
         f"opd-train: error: hydra.run.dir: {run} holds a run made with other settings "
         f"({fingerprint.TEACHER_CONTENT}: {before!r} -> {after!r}); allowed: the same settings to resume it, "
-        f"trainer.extend=true to continue it with these (recorded in history.yaml), or a new hydra.run.dir"
+        f"checkpoint.extend=true to continue it with these (recorded in history.yaml), or a new hydra.run.dir"
     )

@@ -46,8 +46,8 @@ def test_the_logged_config_holds_only_the_chosen_options_keys():
     assert "task.min_operands" not in qwen and "task.min_answers" not in qwen
     assert qwen["loss.clip_eps"] == 0.2  # ppo's
     # what is switched on is logged
-    lora = _logged("trainer.lora_rank=8", "teacher=served", "teacher.url=http://h:1")
-    assert lora["trainer.lora_rank"] == 8 and lora["teacher.url"] == "http://h:1"
+    lora = _logged("scale.lora_rank=8", "teacher=served", "teacher.url=http://h:1")
+    assert lora["scale.lora_rank"] == 8 and lora["teacher.url"] == "http://h:1"
 
 
 def test_tags_name_the_model_pair():
@@ -58,9 +58,9 @@ def test_tags_name_the_model_pair():
 def test_a_start_that_fails_its_device_check_opens_no_w_and_b_run(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("WANDB_MODE", "offline")
     run = tmp_path / "run"
-    code, _out, err = run_cli(["logger=wandb", "trainer.device=cuda:99", f"hydra.run.dir={run}"], monkeypatch, capsys)
+    code, _out, err = run_cli(["logger=wandb", "scale.device=cuda:99", f"hydra.run.dir={run}"], monkeypatch, capsys)
     assert code == 2
-    assert err.strip().splitlines()[0].startswith("opd-train: error: trainer.device='cuda:99': ")
+    assert err.strip().splitlines()[0].startswith("opd-train: error: scale.device='cuda:99': ")
     assert not (run / "wandb").exists() and not (run / "wandb_id.txt").exists()
 
 

@@ -29,9 +29,9 @@ OVERRIDES = [
     "rollout.vllm_gpu_memory_utilization=0.05",  # on CPU: the share of RAM vLLM may reserve
     "trainer.batch_size=4",
     "trainer.warmup_steps=0",
-    "trainer.eval_every=0",
+    "eval.every=0",
     "trainer.progress=false",
-    "trainer.num_threads=1",
+    "scale.num_threads=1",
 ]
 
 

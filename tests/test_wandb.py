@@ -40,7 +40,7 @@ def test_tags_are_the_variant_overrides_and_the_divergence():
         "sweep=divergence",
         "+variant=jsd_0.5",
         "seed=1",
-        "trainer.eval_every=25",
+        "eval.every=25",
         "trainer.max_steps=100",
         "hydra.launcher.n_jobs=2",
         "logger.mode=online",
@@ -54,7 +54,7 @@ def test_tags_are_the_variant_overrides_and_the_divergence():
     tags = tracking.run_tags(["mine"], variant, {"name": "jsd", "beta": 0.5, "alpha": 0.1})
     assert tags == ["mine", "variant=jsd_0.5", "divergence=jsd", "divergence.beta=0.5"]
     # a single run: what changes the training, not its bookkeeping
-    single = ["divergence=jsd", "trainer.eval_every=25", "loss.kl_coef=2", "seed=1", "trainer.device=cpu", "logger.mode=online"]
+    single = ["divergence=jsd", "eval.every=25", "loss.kl_coef=2", "seed=1", "scale.device=cpu", "logger.mode=online"]
     assert tracking.variant_overrides(single, tracking.JobInfo(overrides=single)) == ["divergence=jsd", "loss.kl_coef=2"]
     # an override that is also derived appears once
     assert tracking.run_tags([], ["divergence=rkl"], {"name": "rkl", "beta": 0.5}) == ["divergence=rkl"]
@@ -171,9 +171,9 @@ def tiny_args(pair: Path, steps: int = 2) -> list[str]:
         "task.n_eval=4",
         f"trainer.max_steps={steps}",
         "trainer.batch_size=2",
-        "trainer.eval_size=4",
-        "trainer.eval_batch_size=4",
-        "trainer.device=cpu",
+        "eval.size=4",
+        "eval.batch_size=4",
+        "scale.device=cpu",
         "trainer.progress=false",
         "rollout.max_new_tokens=6",
         "logger.project=opd-exp-test",
@@ -255,7 +255,7 @@ def test_offline_run_holds_the_metrics_config_and_resumes(local_pair, tmp_path):
     refused = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=300)
     assert refused.returncode == 2 and "(trainer.max_steps: 2 -> 3)" in refused.stderr  # other settings: only on purpose
     assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1  # refused before W&B started
-    cmd.append("trainer.extend=true")
+    cmd.append("checkpoint.extend=true")
     again = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-3000:]
     runs = inspect(run_dir)

@@ -60,7 +60,7 @@ def test_train_dry_sweep_and_compare_from_outside_the_checkout(installed):
         [
             bin_ / "opd-train",
             "trainer.max_steps=2",
-            "trainer.eval_size=16",
+            "eval.size=16",
             "logger=none",
             "trainer.progress=false",
             f"hydra.run.dir={run}",

@@ -114,7 +114,7 @@ def build_inputs(cfg: TrainConfig) -> dict:
     from opd_exp.runtime import distributed
     from opd_exp.tasks import build_task
 
-    check_device(cfg.trainer.device, int(os.environ.get("LOCAL_RANK", "0")))
+    check_device(cfg.scale.device, int(os.environ.get("LOCAL_RANK", "0")))
     task = build_task(cfg.task)
     # A missing or damaged dataset fails here, before the models load (both splits: the
     # trainer reads the eval split too).
@@ -123,7 +123,7 @@ def build_inputs(cfg: TrainConfig) -> dict:
             raise ConfigError(
                 f"task: {cfg.task.name!r} has no {split} problems (empty dataset or split); allowed: a task with at least one"
             )
-    device = distributed.device_for(cfg.trainer.device, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+    device = distributed.device_for(cfg.scale.device, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     pair = load_pair(cfg.model_pair, cfg.task, device)
     task.check_tokenizer(pair.tokenizer)  # e.g. a chat task on a tokenizer without a chat template
     return {"task": task, "pair": pair}
@@ -131,20 +131,20 @@ def build_inputs(cfg: TrainConfig) -> dict:
 
 def check_device(device: str, local_rank: int = 0) -> None:
     """A CUDA device asked for on a machine without one fails here, before the data and both
-    models load (the shipped GPU experiments set ``trainer.device: cuda``)."""
+    models load (the shipped GPU experiments set ``scale.device: cuda``)."""
     if not (device == "cuda" or device.startswith("cuda:")):
         return
     import torch
 
     if not torch.cuda.is_available():
         raise ConfigError(
-            f"trainer.device={device!r}: no CUDA GPU is visible to torch (torch.cuda.is_available() is False); "
-            f"allowed: trainer.device=cpu or auto on this machine, or a machine with a GPU"
+            f"scale.device={device!r}: no CUDA GPU is visible to torch (torch.cuda.is_available() is False); "
+            f"allowed: scale.device=cpu or auto on this machine, or a machine with a GPU"
         )
     index = int(device.split(":", 1)[1]) if ":" in device else local_rank
     if index >= torch.cuda.device_count():
         raise ConfigError(
-            f"trainer.device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s); "
+            f"scale.device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s); "
             f"allowed: cuda:0 .. cuda:{torch.cuda.device_count() - 1}, cuda, auto or cpu"
         )
 
@@ -179,8 +179,9 @@ def compose_config(*overrides: str) -> TrainConfig:
     from hydra import compose, initialize_config_dir
 
     from opd_exp.config import register_configs
+    from opd_exp.config.deprecated import upgrade_overrides
     from opd_exp.config.folders import CONF_DIR
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return to_train_config(compose("train", overrides=list(overrides)))
+        return to_train_config(compose("train", overrides=upgrade_overrides(overrides)))

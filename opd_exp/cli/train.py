@@ -29,6 +29,7 @@ from opd_exp.cli.jobs import job_failed as _job_failed
 from opd_exp.cli.record import OWN_RECORD_ENV, scrub_sweep_record, write_hydra_record
 from opd_exp.cli.searchpath import register as register_sweeps
 from opd_exp.config import TrainConfig, folders, register_configs
+from opd_exp.config.deprecated import upgrade_flat, upgrade_overrides
 from opd_exp.config.plugins import missing_hint, record_plugins
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.runtime.guards import EXIT_CONFIG, EXIT_DIVERGED, EXIT_INTERRUPTED, EXIT_PREEMPTED, Diverged, Preempted
@@ -83,7 +84,7 @@ def _job(cfg: DictConfig, hc, run_dir: Path) -> float:
         # a resume with other settings is refused before W&B or any model starts
         from opd_exp.runtime.fingerprint import check_run_folder
 
-        check_run_folder(run_dir, typed)
+        check_run_folder(run_dir, typed, upgrade=upgrade_flat)
         return _train(typed, run_dir)
 
 
@@ -94,7 +95,7 @@ def _train(typed: TrainConfig, run_dir: Path) -> float:
         from opd_exp.training.trainer import Trainer
 
         # the device and the extras first: a start that cannot run opens no W&B run
-        check_device(typed.trainer.device, int(os.environ.get("LOCAL_RANK", "0")))
+        check_device(typed.scale.device, int(os.environ.get("LOCAL_RANK", "0")))
         require_extras(typed)
         # start W&B before the models load: a failure stops at once; under torchrun, rank 0 only
         if typed.logger.name.value == "wandb" and os.environ.get("RANK", "0") == "0":
@@ -137,6 +138,8 @@ def main() -> None:
     if problem and not user_wants_full:
         print(f"opd-train: error: {problem}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
+    original = list(sys.argv)
+    sys.argv = [sys.argv[0], *upgrade_overrides(sys.argv[1:])]  # old keys (trainer.eval_every, ...): one notice each
     argv = list(sys.argv)
     informational = {"--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help", "--shell-completion", "-sc"}
     if not informational & set(argv[1:]) and not any(a.lstrip("+~").startswith("hydra.output_subdir=") for a in argv[1:]):
@@ -176,7 +179,7 @@ def main() -> None:
             raise
         _fail(io_error(ex))
     finally:
-        sys.argv = argv
+        sys.argv = original
         os.environ.pop(OWN_RECORD_ENV, None)
         if not user_wants_full:
             os.environ.pop("HYDRA_FULL_ERROR", None)

@@ -17,6 +17,9 @@ from .schema import (
     Schedule,
     TrainConfig,
     TrainerConfig,
+    EvalConfig,
+    CheckpointConfig,
+    ScaleConfig,
     validate,
 )
 
@@ -79,6 +82,9 @@ __all__ = [
     "Schedule",
     "TrainConfig",
     "TrainerConfig",
+    "EvalConfig",
+    "CheckpointConfig",
+    "ScaleConfig",
     "register_configs",
     "validate",
 ]

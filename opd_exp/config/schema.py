@@ -15,6 +15,8 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from opd_exp.config.reward import RewardConfig, validate_reward
+from opd_exp.config.teachers import TeachersConfig, validate_teachers
 from opd_exp.runtime.errors import ConfigError
 
 try:  # the embedded world's schemas (issue 3)
@@ -94,6 +96,12 @@ class EstimatorName(Enum):
     full = "full"  # exact over the whole vocabulary
 
 
+class Baseline(Enum):
+    none = "none"  # the sampled cost as it is
+    exact = "exact"  # minus E_{y~S}[c(y)] over the whole vocabulary (needs the teacher's whole distribution)
+    topk = "topk"  # minus its estimate from the teacher's top-k (estimator.k), the tail in the student's shape
+
+
 class LossName(Enum):
     ppo = "ppo"
     reinforce = "reinforce"
@@ -137,7 +145,7 @@ class ParamDtype(Enum):
 
 
 class RolloutEngine(Enum):
-    auto = "auto"  # lean, except with trainer.parallel=fsdp (hf: sharded forwards need generate's synced_gpus)
+    auto = "auto"  # lean, except with scale.parallel=fsdp (hf: sharded forwards need generate's synced_gpus)
     hf = "hf"  # transformers generate on the training copy of the model
     lean = "lean"  # our own KV-cache decode loop on the training copy (Gumbel-max draws; no generate)
     vllm = "vllm"  # a vLLM engine (optional extra), weights synced after every update
@@ -214,6 +222,9 @@ class EstimatorConfig:
     k: int = 16
     # rows per chunk of the full-vocab path (null: sized from the vocabulary)
     chunk_size: int | None = None
+    # estimator=sampled: a control variate b = E_{y~S}[c(y)] per position, subtracted from the sampled
+    # cost (unbiased: b never reads y; divergences/baseline.py): none | exact | topk (from the teacher's top-k)
+    baseline: Baseline = Baseline.none
 
     def __post_init__(self) -> None:
         _check(isinstance(self.k, int) and self.k >= 1, "estimator.k", self.k, "integer >= 1")
@@ -227,7 +238,7 @@ class LossConfig:
 
     # ppo: clipped surrogate, A = -kl_coef*R (sampled only); reinforce; direct: GKD-style loss
     name: LossName = LossName.direct
-    # scale of the distillation term (Trinity-RFT kl_coef, AReno opd_kl_coef)
+    # scale of the distillation term (Trinity-RFT kl_coef, AReno opd_kl_coef); 0 with reward.coef > 0: reward-only RL
     kl_coef: float = 1.0
     # token: prefix-frozen per-token objective (GKD); sequence: the gradient of E_S[sum_t D_t]
     # (prefix distribution moves too), the whole-sequence divergence only for rkl
@@ -248,7 +259,7 @@ class LossConfig:
     position_fraction: float = 0.3
 
     def __post_init__(self) -> None:
-        _check(_finite(self.kl_coef) and self.kl_coef > 0, "loss.kl_coef", self.kl_coef, "> 0")
+        _check(_finite(self.kl_coef) and self.kl_coef >= 0, "loss.kl_coef", self.kl_coef, "> 0, or 0 with reward.coef > 0 (reward-only RL)")
         _check(_finite(self.gamma) and 0.0 <= self.gamma <= 1.0, "loss.gamma", self.gamma, "0 <= gamma <= 1")
         _check(_finite(self.clip_eps) and 0.0 < self.clip_eps < 1.0, "loss.clip_eps", self.clip_eps, "0 < clip_eps < 1")
         _check(isinstance(self.ppo_epochs, int) and self.ppo_epochs >= 1, "loss.ppo_epochs", self.ppo_epochs, "integer >= 1")
@@ -291,7 +302,7 @@ class RolloutConfig:
     max_new_tokens: int = 40
     # GKD's lambda: share of steps whose responses the student samples (the rest: the teacher)
     on_policy_fraction: float = 1.0
-    # auto: lean (hf under trainer.parallel=fsdp) | hf: transformers generate | lean: our
+    # auto: lean (hf under scale.parallel=fsdp) | hf: transformers generate | lean: our
     # KV-cache decode loop over the same module (the same distribution, a fraction of
     # generate's per-token overhead; docs/training.md) | vllm: a vLLM engine (pip install 'opd-exp[vllm]'; docs/scale.md)
     engine: RolloutEngine = RolloutEngine.auto
@@ -325,7 +336,7 @@ class RolloutConfig:
 
 @dataclass
 class TrainerConfig:
-    """The optimisation loop."""
+    """The optimisation loop: steps, batch, optimiser, schedule, logging and the step monitors."""
 
     # optimizer steps
     max_steps: int = 2500
@@ -342,21 +353,84 @@ class TrainerConfig:
     warmup_steps: int = 20
     # gradient-norm clip (0: off)
     grad_clip: float = 1.0
-    # evaluate every N steps (0: only before and after training)
-    eval_every: int = 250
-    # eval prompts (0: the task's whole eval split); more than the split holds is refused
-    eval_size: int = 0
-    # sequences per eval generation batch
-    eval_batch_size: int = 128
-    # k temperature-1 samples per eval prompt for eval/precision, eval/pass@k, eval/entropy and
-    # (tasks that list their answers) eval/coverage; 0: off (greedy eval only, the default's cost)
-    eval_samples: int = 0
-    # checkpoint every N steps (0: only at the end)
-    save_every: int = 250
-    # complete checkpoints kept in the run folder
-    keep_checkpoints: int = 2
     # log metrics every N steps
     log_every: int = 1
+    # console progress bar
+    progress: bool = True
+    # stop (exit 3) after this many steps in a row whose loss, gradient norm or teacher
+    # log-probs were NaN/inf; each such step is skipped (no update) and counted
+    max_bad_steps: int = 10
+    # exact/jsd, exact/kl_reverse, exact/kl_forward every step on the step's own rollout (read off
+    # the monitors' one pass over [tokens, V]); false drops them
+    exact_metrics: bool = True
+    # size of the top-k sets of overlap/teacher_mass, overlap/student_mass, overlap/ratio; 0 drops
+    # those three (their two top-k searches are the monitors' largest cost at small vocabularies)
+    overlap_k: int = 8
+
+    def __post_init__(self) -> None:
+        _check(
+            isinstance(self.overlap_k, int) and self.overlap_k >= 0, "trainer.overlap_k", self.overlap_k, "integer >= 0 (0: no overlap/*)"
+        )
+        _check(self.max_steps >= 0, "trainer.max_steps", self.max_steps, "integer >= 0")
+        _check(self.batch_size >= 1, "trainer.batch_size", self.batch_size, "integer >= 1")
+        _check(self.micro_batch_size >= 0, "trainer.micro_batch_size", self.micro_batch_size, "integer >= 0")
+        _check(_finite(self.lr) and self.lr >= 0, "trainer.lr", self.lr, ">= 0")
+        _check(_finite(self.weight_decay) and self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, ">= 0")
+        _check(self.warmup_steps >= 0, "trainer.warmup_steps", self.warmup_steps, "integer >= 0")
+        _check(
+            _finite(self.grad_clip) and self.grad_clip >= 0,
+            "trainer.grad_clip",
+            self.grad_clip,
+            "a finite number >= 0, the largest gradient norm kept (0 turns clipping off, which is what inf would mean)",
+        )
+        for key in ("log_every", "max_bad_steps"):
+            _check(getattr(self, key) >= 1, f"trainer.{key}", getattr(self, key), "integer >= 1")
+
+
+@dataclass
+class EvalConfig:
+    """Evaluation on the task's eval split (greedy; optional temperature-1 samples)."""
+
+    # evaluate every N steps (0: only before and after training)
+    every: int = 250
+    # eval prompts (0: the task's whole eval split); more than the split holds is refused
+    size: int = 0
+    # sequences per eval generation batch
+    batch_size: int = 128
+    # k temperature-1 samples per eval prompt for eval/precision, eval/pass@k, eval/entropy and
+    # (tasks that list their answers) eval/coverage; 0: off (greedy eval only, the default's cost)
+    samples: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("every", "size", "samples"):
+            _check(getattr(self, key) >= 0, f"eval.{key}", getattr(self, key), "integer >= 0")
+        _check(self.batch_size >= 1, "eval.batch_size", self.batch_size, "integer >= 1")
+
+
+@dataclass
+class CheckpointConfig:
+    """Checkpoints in the run folder, and what a resume may change."""
+
+    # checkpoint every N steps (0: only at the end)
+    every: int = 250
+    # complete checkpoints kept in the run folder
+    keep: int = 2
+    # resume a run folder whose checkpoint was made with other settings (e.g. a larger
+    # trainer.max_steps): without it such a resume is refused, naming the keys that differ. The
+    # learning rate continues from the checkpoint's value, decaying over the remaining steps;
+    # each session's overrides are appended to <run>/history.yaml
+    extend: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, "checkpoint.every", self.every, "integer >= 0")
+        _check(self.keep >= 1, "checkpoint.keep", self.keep, "integer >= 1")
+
+
+@dataclass
+class ScaleConfig:
+    """Where and how big: device, precision, dtypes, processes, teacher placement, the fused
+    head and LoRA. Overlays in conf/scale/ (scale=gpu, scale=ddp) set the usual combinations."""
+
     # auto | cpu | cuda | cuda:N | mps
     device: str = "auto"
     # autocast precision of forward passes
@@ -364,19 +438,9 @@ class TrainerConfig:
     # CPU threads for torch (0: torch's default). 1 by default: the embedded models' ops are
     # too small to split, and on a shared machine extra threads spin (measured 30x slower)
     num_threads: int = 1
-    # console progress bar
-    progress: bool = True
-    # resume a run folder whose checkpoint was made with other settings (e.g. a larger
-    # max_steps): without it such a resume is refused, naming the keys that differ. The
-    # learning rate continues from the checkpoint's value, decaying over the remaining steps;
-    # each session's overrides are appended to <run>/history.yaml
-    extend: bool = False
-    # stop (exit 3) after this many steps in a row whose loss, gradient norm or teacher
-    # log-probs were NaN/inf; each such step is skipped (no update) and counted
-    max_bad_steps: int = 10
     # none | ddp | fsdp: multi-process training under torchrun (docs/scale.md); with ddp/fsdp
-    # batch_size is the GLOBAL batch, split across ranks, and each sampled row draws from its
-    # own generator keyed by (seed, step, global row), so any world size samples the same batch
+    # trainer.batch_size is the GLOBAL batch, split across ranks, and each sampled row draws from
+    # its own generator keyed by (seed, step, global row), so any world size samples the same batch
     parallel: Parallel = Parallel.none
     # student weights: fp32 (master weights; add precision=bf16 for autocast) | bf16
     param_dtype: ParamDtype = ParamDtype.fp32
@@ -396,47 +460,23 @@ class TrainerConfig:
     lora_dropout: float = 0.0
     # module names that get adapters (Qwen/Llama attention projections by default)
     lora_target_modules: list[str] = field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
-    # exact/jsd, exact/kl_reverse, exact/kl_forward every step on the step's own rollout (read off
-    # the monitors' one pass over [tokens, V]); false drops them
-    exact_metrics: bool = True
-    # size of the top-k sets of overlap/teacher_mass, overlap/student_mass, overlap/ratio; 0 drops
-    # those three (their two top-k searches are the monitors' largest cost at small vocabularies)
-    overlap_k: int = 8
 
     def __post_init__(self) -> None:
         tdev = self.teacher_device
         _check(
             tdev in ("same", "cpu", "cuda") or (tdev.startswith("cuda:") and tdev[5:].isdigit()),
-            "trainer.teacher_device",
+            "scale.teacher_device",
             tdev,
             "same, cpu, cuda, cuda:N",
         )
-        _check(isinstance(self.lora_rank, int) and self.lora_rank >= 0, "trainer.lora_rank", self.lora_rank, "integer >= 0 (0: off)")
-        _check(_finite(self.lora_alpha) and self.lora_alpha > 0, "trainer.lora_alpha", self.lora_alpha, "> 0")
-        _check(_finite(self.lora_dropout) and 0.0 <= self.lora_dropout < 1.0, "trainer.lora_dropout", self.lora_dropout, "0 <= x < 1")
-        _check(
-            isinstance(self.overlap_k, int) and self.overlap_k >= 0, "trainer.overlap_k", self.overlap_k, "integer >= 0 (0: no overlap/*)"
-        )
-        _check(len(self.lora_target_modules) >= 1, "trainer.lora_target_modules", self.lora_target_modules, "at least one module name")
-        _check(self.max_steps >= 0, "trainer.max_steps", self.max_steps, "integer >= 0")
-        _check(self.batch_size >= 1, "trainer.batch_size", self.batch_size, "integer >= 1")
-        _check(self.micro_batch_size >= 0, "trainer.micro_batch_size", self.micro_batch_size, "integer >= 0")
-        _check(_finite(self.lr) and self.lr >= 0, "trainer.lr", self.lr, ">= 0")
-        _check(_finite(self.weight_decay) and self.weight_decay >= 0, "trainer.weight_decay", self.weight_decay, ">= 0")
-        _check(self.warmup_steps >= 0, "trainer.warmup_steps", self.warmup_steps, "integer >= 0")
-        _check(
-            _finite(self.grad_clip) and self.grad_clip >= 0,
-            "trainer.grad_clip",
-            self.grad_clip,
-            "a finite number >= 0, the largest gradient norm kept (0 turns clipping off, which is what inf would mean)",
-        )
-        for key in ("eval_every", "eval_size", "save_every", "num_threads", "eval_samples"):
-            _check(getattr(self, key) >= 0, f"trainer.{key}", getattr(self, key), "integer >= 0")
-        for key in ("eval_batch_size", "keep_checkpoints", "log_every", "max_bad_steps"):
-            _check(getattr(self, key) >= 1, f"trainer.{key}", getattr(self, key), "integer >= 1")
+        _check(isinstance(self.lora_rank, int) and self.lora_rank >= 0, "scale.lora_rank", self.lora_rank, "integer >= 0 (0: off)")
+        _check(_finite(self.lora_alpha) and self.lora_alpha > 0, "scale.lora_alpha", self.lora_alpha, "> 0")
+        _check(_finite(self.lora_dropout) and 0.0 <= self.lora_dropout < 1.0, "scale.lora_dropout", self.lora_dropout, "0 <= x < 1")
+        _check(len(self.lora_target_modules) >= 1, "scale.lora_target_modules", self.lora_target_modules, "at least one module name")
+        _check(self.num_threads >= 0, "scale.num_threads", self.num_threads, "integer >= 0")
         dev = self.device
         ok = dev in ("auto", "cpu", "cuda", "mps") or (dev.startswith("cuda:") and dev[5:].isdigit())
-        _check(ok, "trainer.device", dev, "auto, cpu, cuda, cuda:N, mps")
+        _check(ok, "scale.device", dev, "auto, cpu, cuda, cuda:N, mps")
 
 
 @dataclass
@@ -522,9 +562,14 @@ class TrainConfig:
     divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
     estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)  # the task's reward beside distillation (config/reward.py)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    scale: ScaleConfig = field(default_factory=ScaleConfig)
     teacher: TeacherConfig = field(default_factory=TeacherConfig)
+    teachers: TeachersConfig = field(default_factory=TeachersConfig)  # several teachers, routed (config/teachers.py)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     # free-form run name (W&B name, summary line)
     name: str | None = None
@@ -553,6 +598,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if loss is LossName.direct and cfg.loss.credit is Credit.sequence:
         _fail("loss.credit", cfg.loss.credit.value, "token with loss=direct (sequence credit needs ppo or reinforce)")
     validate_ppo(cfg)
+    validate_reward(cfg)
+    validate_teachers(cfg)
+    if cfg.estimator.baseline is not Baseline.none and est is not EstimatorName.sampled:
+        _fail(
+            "estimator.baseline",
+            cfg.estimator.baseline.value,
+            f"none with estimator={est.value} (the baseline is subtracted from estimator=sampled's cost)",
+        )
     if cfg.divergence.name is DivergenceName.jsd_legacy:
         if est is not EstimatorName.sampled:
             _fail("estimator.name", est.value, "sampled with divergence=jsd_legacy (only its sampled cost differs from jsd)")
@@ -577,29 +630,29 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             f"{'0' if key.endswith('top_k') else '1.0'} (off) with divergence={name}: KL(T||S) is infinite where the "
             "teacher has mass the filter removes; use rkl, jsd (beta > 0), skl, srkl or tvd with a filter",
         )
-    tc = cfg.trainer
+    tc = cfg.scale
     if tc.param_dtype is ParamDtype.bf16 and tc.precision is Precision.fp16:
-        _fail("trainer.precision", "fp16", "fp32 or bf16 with trainer.param_dtype=bf16 (fp16 autocast over bf16 weights loses range)")
+        _fail("scale.precision", "fp16", "fp32 or bf16 with scale.param_dtype=bf16 (fp16 autocast over bf16 weights loses range)")
     if tc.parallel is not Parallel.none and tc.teacher_device not in ("same", "cpu"):
         _fail(
-            "trainer.teacher_device",
+            "scale.teacher_device",
             tc.teacher_device,
-            f"same or cpu with trainer.parallel={tc.parallel.value} (each rank's teacher sits beside its student)",
+            f"same or cpu with scale.parallel={tc.parallel.value} (each rank's teacher sits beside its student)",
         )
     if tc.parallel is not Parallel.none and tc.device == "mps":
-        _fail("trainer.device", "mps", f"auto, cpu, cuda with trainer.parallel={tc.parallel.value} (no process group backend for mps)")
+        _fail("scale.device", "mps", f"auto, cpu, cuda with scale.parallel={tc.parallel.value} (no process group backend for mps)")
     if tc.fused_lm_head is FusedLmHead.on and tc.parallel is not Parallel.none:
-        _fail("trainer.fused_lm_head", "on", f"auto or off with trainer.parallel={tc.parallel.value} (the fused path is single-process)")
+        _fail("scale.fused_lm_head", "on", f"auto or off with scale.parallel={tc.parallel.value} (the fused path is single-process)")
     if tc.fused_lm_head is FusedLmHead.on and tc.lora_rank:
-        _fail("trainer.fused_lm_head", "on", "auto or off with trainer.lora_rank > 0 (a LoRA student's backbone is wrapped)")
+        _fail("scale.fused_lm_head", "on", "auto or off with scale.lora_rank > 0 (a LoRA student's backbone is wrapped)")
     if cfg.rollout.engine is RolloutEngine.lean and tc.parallel is Parallel.fsdp:
-        _fail("rollout.engine", "lean", "hf or vllm with trainer.parallel=fsdp (sharded forwards need generate's synced_gpus)")
+        _fail("rollout.engine", "lean", "hf or vllm with scale.parallel=fsdp (sharded forwards need generate's synced_gpus)")
     validate_teacher(cfg)
     if cfg.rollout.engine is RolloutEngine.vllm:
         if tc.parallel is not Parallel.none:
-            _fail("rollout.engine", "vllm", f"hf with trainer.parallel={tc.parallel.value} (the vLLM engine is single-process for now)")
+            _fail("rollout.engine", "vllm", f"hf with scale.parallel={tc.parallel.value} (the vLLM engine is single-process for now)")
         if tc.lora_rank:
-            _fail("rollout.engine", "vllm", "hf with trainer.lora_rank > 0 (adapter weights are not synced into vLLM)")
+            _fail("rollout.engine", "vllm", "hf with scale.lora_rank > 0 (adapter weights are not synced into vLLM)")
     return cfg
 
 
@@ -635,7 +688,7 @@ def validate_ppo(cfg: TrainConfig) -> None:
     if lo.ppo_updates == 1:
         return
     key, value = ("loss.ppo_epochs", lo.ppo_epochs) if lo.ppo_epochs > 1 else ("loss.ppo_mini_batches", lo.ppo_mini_batches)
-    est, tc, ro = cfg.estimator.name, cfg.trainer, cfg.rollout
+    est, tc, ro = cfg.estimator.name, cfg.scale, cfg.rollout
     if lo.name is not LossName.ppo or est is not EstimatorName.sampled:
         _fail(
             key, value, f"1 with loss={lo.name.value} estimator={est.value} (several updates per rollout need loss=ppo estimator=sampled)"
@@ -648,10 +701,10 @@ def validate_ppo(cfg: TrainConfig) -> None:
             "loss, which has no behaviour policy to clip against); allowed: rollout.on_policy_fraction=1.0",
         )
     if tc.fused_lm_head is FusedLmHead.on:
-        _fail(key, value, "1 with trainer.fused_lm_head=on (the fused path makes one update per rollout); allowed: auto or off")
+        _fail(key, value, "1 with scale.fused_lm_head=on (the fused path makes one update per rollout); allowed: auto or off")
     if tc.parallel is not Parallel.none:
-        _fail(key, value, f"1 with trainer.parallel={tc.parallel.value} (several updates per rollout are single-process for now)")
-    rows = tc.batch_size * ro.n_samples
+        _fail(key, value, f"1 with scale.parallel={tc.parallel.value} (several updates per rollout are single-process for now)")
+    rows = cfg.trainer.batch_size * ro.n_samples
     _check(
         lo.ppo_mini_batches <= rows,
         "loss.ppo_mini_batches",
@@ -666,7 +719,7 @@ def validate_teacher(cfg: TrainConfig) -> None:
     te = cfg.teacher
     if not te.served:
         return
-    if te.url is None:
+    if te.url is None and not cfg.teachers.active:  # several teachers: each one's teachers.map.<name>.url
         _fail("teacher.url", None, "http://HOST:PORT of a running vLLM server with teacher=served (opd-serve-teacher prints it)")
     if cfg.divergence.temperature != 1.0:
         _fail(
@@ -675,8 +728,8 @@ def validate_teacher(cfg: TrainConfig) -> None:
             "1.0 with teacher=served (a server returns log-probs of the untempered logits; those of tempered logits cannot be "
             "recovered from its top-k), or teacher=in_process",
         )
-    if cfg.trainer.fused_lm_head is FusedLmHead.on:
-        _fail("trainer.fused_lm_head", "on", "auto or off with teacher=served (the fused head needs the teacher's hidden states)")
+    if cfg.scale.fused_lm_head is FusedLmHead.on:
+        _fail("scale.fused_lm_head", "on", "auto or off with teacher=served (the fused head needs the teacher's hidden states)")
     k = te.k if te.k is not None else cfg.estimator.k
     if cfg.estimator.name in (EstimatorName.topk, EstimatorName.topk_renorm, EstimatorName.topk_generalized_kl) and cfg.estimator.k > k:
         _fail("estimator.k", cfg.estimator.k, f"at most teacher.k={k} with teacher=served (the server sends its top-{k})")

@@ -90,6 +90,9 @@ class EmbeddedPairConfig:
     n_sft: int = 50000  # distinct-draw SFT problems (disjoint from the task's eval set)
     n_check: int = 200  # eval problems on which preparation measures accuracy (manifest)
     seed: int = 0  # seed of initial weights, SFT data and batch order
+    # share of the teacher's SFT draws that start from a slipped solution prefix and show its
+    # correction (opd_exp/pairs/embedded/recovery.py); 0: none (in the key only when > 0)
+    recovery: float = 0.0
     threads: int = 0  # torch CPU threads during preparation (0 = auto: few, never more than idle cores); not in the key
 
     def __post_init__(self) -> None:
@@ -97,6 +100,7 @@ class EmbeddedPairConfig:
         self.student.check("model_pair.embedded.student")
         _check(isinstance(self.n_sft, int) and self.n_sft >= 1, "model_pair.embedded.n_sft", self.n_sft, "an integer >= 1")
         _check(isinstance(self.n_check, int) and self.n_check >= 0, "model_pair.embedded.n_check", self.n_check, "an integer >= 0")
+        _check(0.0 <= self.recovery < 1.0, "model_pair.embedded.recovery", self.recovery, "a share in [0, 1)")
         _check(
             isinstance(self.threads, int) and self.threads >= 0, "model_pair.embedded.threads", self.threads, "an integer >= 0 (0 = auto)"
         )

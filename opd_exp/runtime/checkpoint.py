@@ -265,7 +265,7 @@ def restore(run_dir: Path, model, optimizer, scheduler, warn=print) -> tuple[int
     """Load the newest checkpoint that loads; return (step, loop state), or None when the
     folder holds none. One whose bytes are damaged is renamed ``step_N.bad`` with a warning and
     the next older one is tried; if none loads, a ``ConfigError`` says so (never a silent fresh
-    start on top of a run's folder). Intact bytes of another model (``trainer.extend`` with
+    start on top of a run's folder). Intact bytes of another model (``checkpoint.extend`` with
     another pair) are refused at once with nothing renamed: the run's own command still resumes."""
     root = checkpoint_root(run_dir)
     files.sweep_tmp(root)  # leftovers of a write that failed (a full disk) or was killed: the caller holds the lock

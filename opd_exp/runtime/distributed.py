@@ -1,6 +1,6 @@
 """Multi-process training under ``torchrun``: process group, data sharding, reductions, wrapping.
 
-``trainer.parallel=ddp|fsdp`` with ``torchrun --nproc_per_node=N -m opd_exp.cli.train ...``:
+``scale.parallel=ddp|fsdp`` with ``torchrun --nproc_per_node=N -m opd_exp.cli.train ...``:
 
 * the process group comes from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK,
   MASTER_ADDR/PORT): nccl on CUDA, gloo on CPU; each rank uses ``cuda:LOCAL_RANK``;
@@ -101,8 +101,8 @@ def setup(parallel: str, dev_name: str) -> tuple[DistState, torch.device]:
     if env is None or (env["WORLD_SIZE"] == 1 and not torch.distributed.is_initialized()):
         if parallel == "none" and torchrun_env() and int(os.environ["WORLD_SIZE"]) > 1:
             raise ConfigError(
-                f"trainer.parallel='none' under torchrun with WORLD_SIZE={os.environ['WORLD_SIZE']}: every rank would train "
-                f"its own copy into the same folder; allowed: trainer.parallel=ddp or fsdp"
+                f"scale.parallel='none' under torchrun with WORLD_SIZE={os.environ['WORLD_SIZE']}: every rank would train "
+                f"its own copy into the same folder; allowed: scale.parallel=ddp or fsdp"
             )
         if dev_name == "auto":
             return DistState(parallel=parallel), torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -230,7 +230,7 @@ def wrap_student(model, ds: DistState, device: torch.device, param_dtype: torch.
             fully_shard(layer)
         fully_shard(model)
         return model
-    raise ConfigError(f"trainer.parallel={ds.parallel!r} is not allowed; allowed: none, ddp, fsdp")
+    raise ConfigError(f"scale.parallel={ds.parallel!r} is not allowed; allowed: none, ddp, fsdp")
 
 
 def no_sync(train_module, ds: DistState, last: bool):

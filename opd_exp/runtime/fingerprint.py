@@ -5,7 +5,7 @@ A run folder resumed with other settings would be silently wrong (steps 1..N tra
 config, the rest with another, and `.hydra/` rewritten by the new session). So every
 checkpoint's loop state holds ``config``: the flattened settings that shape the trained
 weights and the metrics. On resume they are compared with the new config; a difference stops
-the run with one line naming the keys, unless ``trainer.extend=true`` asks for it on purpose.
+the run with one line naming the keys, unless ``checkpoint.extend=true`` asks for it on purpose.
 Either way each session is appended to ``<run>/history.yaml`` (its overrides, the step it
 started from, what changed), which Hydra never overwrites.
 """
@@ -29,15 +29,15 @@ IGNORED = frozenset(
     {
         "name",
         "trainer.progress",
-        "trainer.num_threads",
-        "trainer.device",
-        "trainer.teacher_device",
-        "trainer.extend",
-        "trainer.save_every",
-        "trainer.keep_checkpoints",
+        "scale.num_threads",
+        "scale.device",
+        "scale.teacher_device",
+        "checkpoint.extend",
+        "checkpoint.every",
+        "checkpoint.keep",
         "trainer.log_every",
-        "trainer.eval_every",
-        "trainer.eval_batch_size",
+        "eval.every",
+        "eval.batch_size",
         "model_pair.embedded.threads",
         "model_pair.for_task",  # a check of the task the pair goes with, not part of either
         # a served teacher: where it runs and how it is reached (its identity is SERVED_IDENTITY)
@@ -56,9 +56,12 @@ IGNORED = frozenset(
 # trainer adds it to the fingerprint, so a resume against another teacher is refused there;
 # the check before the models load (``check_run_folder``) cannot know it yet.
 SERVED_IDENTITY = "teacher.server."
+# What the teachers of teachers.map are once loaded (each one's content hash, a served one's identity),
+# added by the trainer (training/teacher_set.py): compared on resume, as SERVED_IDENTITY.
+TEACHERS_LOADED = "teachers.loaded."
 # Settings that decide what the eval measures (which problems, how they are decoded, the
 # teacher and its tokenizer): an extension that changes one is evaluated afresh on the new set.
-EVAL_SET = ("task.", "model_pair.", "teacher.", "trainer.eval_size", "rollout.max_new_tokens", "rollout.max_prompt_tokens")
+EVAL_SET = ("task.", "model_pair.", "teacher.", "teachers.", "eval.size", "rollout.max_new_tokens", "rollout.max_prompt_tokens")
 
 
 def flatten(obj: Any, prefix: str = "") -> dict[str, Any]:
@@ -107,6 +110,7 @@ def config_fingerprint(cfg: Any) -> dict[str, Any]:
         flat[TEACHER_CONTENT] = content
     if flat.get("teacher.name", "in_process") == "in_process":  # the default: fingerprints as before the group existed
         flat = {k: v for k, v in flat.items() if not k.startswith("teacher.")}
+    flat = {k: v for k, v in flat.items() if not (k.startswith("teachers.map.") and k.endswith(".url"))}  # where, as teacher.url
     return {k: v for k, v in sorted(flat.items()) if k not in IGNORED and not k.startswith(IGNORED_PREFIXES)}
 
 
@@ -167,7 +171,7 @@ def refusal(run_dir: Path, stored: dict[str, Any], current: dict[str, Any], defa
         return None
     return (
         f"hydra.run.dir: {run_dir} holds a run made with other settings ({describe(diff)}); "
-        f"allowed: the same settings to resume it, trainer.extend=true to continue it with these "
+        f"allowed: the same settings to resume it, checkpoint.extend=true to continue it with these "
         f"(recorded in {HISTORY}), or a new hydra.run.dir"
     )
 
@@ -183,14 +187,15 @@ def below_step(run_dir: Path, step: int, max_steps: int) -> str | None:
         return None
     return (
         f"trainer.max_steps={max_steps} is below step {step}, which the run in {run_dir} has reached (nothing would be "
-        f"trained); allowed: trainer.max_steps >= {step} (more steps with trainer.extend=true), or a new hydra.run.dir"
+        f"trained); allowed: trainer.max_steps >= {step} (more steps with checkpoint.extend=true), or a new hydra.run.dir"
     )
 
 
-def check_run_folder(run_dir: Path, cfg: Any) -> None:
+def check_run_folder(run_dir: Path, cfg: Any, upgrade: Any = None) -> None:
     """Before anything starts (W&B, models): refuse ``trainer.max_steps`` below the run's step,
-    and a resume with other settings unless ``trainer.extend`` (reads the newest checkpoint's
-    loop state only; the trainer checks the checkpoint it actually loads again)."""
+    and a resume with other settings unless ``checkpoint.extend`` (reads the newest checkpoint's
+    loop state only; the trainer checks the checkpoint it actually loads again). ``upgrade``: renames
+    a stored fingerprint's old keys (``config.deprecated.upgrade_flat``)."""
     from opd_exp.runtime import checkpoint
     from opd_exp.runtime.errors import ConfigError
 
@@ -204,10 +209,10 @@ def check_run_folder(run_dir: Path, cfg: Any) -> None:
         return  # damaged: restore sets it aside and says so
     if (line := below_step(Path(run_dir), step, cfg.trainer.max_steps)) is not None:
         raise ConfigError(line)
-    if cfg.trainer.extend:
+    if cfg.checkpoint.extend:
         return
     if isinstance(stored, dict):
-        stored = {k: v for k, v in stored.items() if not k.startswith(SERVED_IDENTITY)}
+        stored = {k: v for k, v in (upgrade(stored) if upgrade else stored).items() if not k.startswith((SERVED_IDENTITY, TEACHERS_LOADED))}
     line = refusal(Path(run_dir), stored, config_fingerprint(cfg), schema_defaults(cfg)) if isinstance(stored, dict) else None
     if line:
         raise ConfigError(line)

@@ -29,8 +29,8 @@ def require_peft(tc) -> None:
     """Fail at start-up (one line) when LoRA is asked for and peft is not installed."""
     if tc.lora_rank and importlib.util.find_spec("peft") is None:
         raise ConfigError(
-            f"trainer.lora_rank={tc.lora_rank} needs the peft package, which is not installed; "
-            f"allowed: pip install 'opd-exp[lora]' (or peft), or trainer.lora_rank=0"
+            f"scale.lora_rank={tc.lora_rank} needs the peft package, which is not installed; "
+            f"allowed: pip install 'opd-exp[lora]' (or peft), or scale.lora_rank=0"
         )
 
 
@@ -39,9 +39,9 @@ def teacher_device(tc, student_device: torch.device) -> torch.device:
     if name == "same":
         return student_device
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError(f"trainer.teacher_device={name!r}: CUDA is not available here; allowed: same, cpu")
+        raise ConfigError(f"scale.teacher_device={name!r}: CUDA is not available here; allowed: same, cpu")
     if name.startswith("cuda:") and int(name[5:]) >= torch.cuda.device_count():
-        raise ConfigError(f"trainer.teacher_device={name!r}: only {torch.cuda.device_count()} CUDA devices; allowed: same, cpu, cuda:0..")
+        raise ConfigError(f"scale.teacher_device={name!r}: only {torch.cuda.device_count()} CUDA devices; allowed: same, cpu, cuda:0..")
     return torch.device(name)
 
 
@@ -61,7 +61,7 @@ def enable_grad_checkpointing(model) -> None:
     elif hasattr(model, "gradient_checkpointing_enable"):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     else:
-        raise ConfigError(f"trainer.grad_checkpointing=true: {type(model).__name__} does not support it; allowed: false")
+        raise ConfigError(f"scale.grad_checkpointing=true: {type(model).__name__} does not support it; allowed: false")
     if hasattr(model, "config"):
         model.config.use_cache = False
 
@@ -75,7 +75,7 @@ def add_lora(model, tc):
     missing = [m for m in tc.lora_target_modules if m not in names]
     if missing:
         raise ConfigError(
-            f"trainer.lora_target_modules={list(tc.lora_target_modules)}: {missing} not in the student; "
+            f"scale.lora_target_modules={list(tc.lora_target_modules)}: {missing} not in the student; "
             f"allowed: module names such as q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
         )
     lcfg = LoraConfig(

@@ -14,7 +14,7 @@ Never imports models or the trainer. What it decides for one job:
   single run gets only that.
 - **tags**: ``logger.tags``, then the overrides that define the variant (in a multirun the
   swept ones, read from the sweep file and from ``multirun.yaml``; never the seed,
-  ``hydra.*``, ``logger.*`` or bookkeeping such as ``trainer.eval_every``), then the
+  ``hydra.*``, ``logger.*`` or bookkeeping such as ``eval.every``), then the
   model pair (``model_pair=smollm2``: the option chosen, or its name), then the divergence it
   ran (``divergence=jsd``, ``divergence.beta=0.5``) so runs of a sweep that
   picks divergences through another key still carry them. ``opd_exp.analysis.load_wandb``
@@ -133,7 +133,7 @@ def swept_keys(overrides: Iterable[str]) -> set[str]:
 
 SEED_KEYS = ("seed",)
 # overrides that never tell a variant: where and how a run reports, not what it trains
-_NOT_VARIANT = ("hydra.", "hydra/", "logger.", "logger=", "model_pair", "task.path", "trainer.device", "trainer.num_threads")
+_NOT_VARIANT = ("hydra.", "hydra/", "logger.", "logger=", "model_pair", "task.path", "scale.device", "scale.num_threads")
 # in a single run, the overrides that pick the OPD variant (the rest, budgets and sizes, is
 # the setting: it is in the config, not in the tags)
 VARIANT_KEYS = ("variant", "experiment", "divergence", "estimator", "loss", "rollout.on_policy_fraction")
@@ -146,7 +146,7 @@ def _key(override: str) -> str:
 def variant_overrides(overrides: Iterable[str], job: JobInfo) -> list[str]:
     """The overrides that define this run's variant: in a multirun the swept ones (not the
     seed); in a single run those that pick the variant (``VARIANT_KEYS``: divergence,
-    estimator, loss, ...; not ``trainer.eval_every=25``, budgets, the device, the logger)."""
+    estimator, loss, ...; not ``eval.every=25``, budgets, the device, the logger)."""
     from opd_exp.runtime.fingerprint import IGNORED
 
     out = []
@@ -286,9 +286,9 @@ def chosen_options(config: Mapping[str, Any]) -> dict[str, Any]:
         drop += [] if loss.get("credit") == "sequence" else ["gamma"]
         drop += [] if loss.get("positions") not in (None, "all") else ["position_fraction"]
         out["loss"] = _only(loss, drop)
-    trainer = out.get("trainer")
-    if isinstance(trainer, Mapping) and not trainer.get("lora_rank"):
-        out["trainer"] = _only(trainer, [k for k in trainer if k.startswith("lora_")])
+    scale = out.get("scale")
+    if isinstance(scale, Mapping) and not scale.get("lora_rank"):
+        out["scale"] = _only(scale, [k for k in scale if k.startswith("lora_")])
     rollout = out.get("rollout")
     if isinstance(rollout, Mapping) and rollout.get("engine") != "vllm":
         out["rollout"] = _only(rollout, ["vllm_gpu_memory_utilization"])

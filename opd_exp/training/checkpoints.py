@@ -1,6 +1,6 @@
 """What a resume needs beyond ``runtime/checkpoint.py``: the views of a (possibly FSDP-sharded)
 student and optimizer that a checkpoint is written from and read into, and the comparison of the
-checkpoint's settings with this run's (refused, or with ``trainer.extend`` an extension that
+checkpoint's settings with this run's (refused, or with ``checkpoint.extend`` an extension that
 continues the learning-rate schedule and is recorded in the run's history)."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from opd_exp.config.schema import TrainerConfig
+from opd_exp.config.deprecated import upgrade_flat
+from opd_exp.config.schema import TrainConfig
 from opd_exp.runtime import distributed as dist_util
 from opd_exp.runtime import fingerprint
 from opd_exp.runtime.errors import ConfigError
@@ -27,7 +28,7 @@ def checkpoint_views(student, optimizer, dist, *, save: bool):
 
 
 def resume_session(
-    tc: TrainerConfig,
+    cfg: TrainConfig,
     run_dir: Path,
     step: int,
     stored: dict[str, Any] | None,
@@ -37,19 +38,19 @@ def resume_session(
     warn: Callable[[str], None],
 ) -> tuple[dict[str, Any], float | None]:
     """(the session record, the lr factor an extension continues from, or None). Refuses a resume
-    with other settings unless ``trainer.extend``; a setting newer than the checkpoint, at the
+    with other settings unless ``checkpoint.extend``; a setting newer than the checkpoint, at the
     schema's default, is no difference (``fingerprint.differences``)."""
-    from opd_exp.config.schema import TrainConfig
-
     defaults = fingerprint.schema_defaults(TrainConfig())
     session: dict[str, Any] = {"session": "resume", "from_step": step}
     if stored is None:
         warn("opd-train: warning: the checkpoint records no settings (written by an older version): not compared")
         return session, None
+    stored = upgrade_flat(stored)  # a checkpoint from before the eval/checkpoint/scale groups
     diff = fingerprint.differences(stored, current, defaults)
     if not diff:
         return session, None
-    if not tc.extend:
+    tc = cfg.trainer
+    if not cfg.checkpoint.extend:
         raise ConfigError(fingerprint.refusal(run_dir, stored, current, defaults))
     session = {"session": "extend", "from_step": step, "changed": {k: [a, b] for k, (a, b) in diff.items()}}
     warn(

@@ -36,7 +36,7 @@ def build_engines(cfg: TrainConfig, student, teacher, tokenizer, vocab_size: int
 def require_extras(cfg: TrainConfig) -> None:
     """Optional packages the config needs (peft for LoRA, vllm for its engine): one line each,
     before any model loads."""
-    prec.require_peft(cfg.trainer)
+    prec.require_peft(cfg.scale)
     if cfg.rollout.engine.value == "vllm":
         from opd_exp.training.rollout_vllm import require_vllm
 
@@ -61,7 +61,7 @@ def in_process_engine(
     or ``hf`` (also with vllm: the teacher's engine). The teacher's engine (on_policy_fraction < 1)
     follows the same choice."""
     engine = cfg.rollout.engine.value
-    if engine == "lean" or (engine == "auto" and cfg.trainer.parallel.value != "fsdp"):
+    if engine == "lean" or (engine == "auto" and cfg.scale.parallel.value != "fsdp"):
         from opd_exp.training.sampler import LeanRollout
 
         return LeanRollout(model, tokenizer, cfg.rollout, vocab_size, source=source, autocast=autocast)

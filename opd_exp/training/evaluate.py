@@ -133,6 +133,7 @@ class Evaluator:
         on_prompts: Callable[[list[str]], Any] | None = None,
         samples: int = 0,
         position_sums: PositionSums | None = None,
+        routing=None,
     ):
         self.task, self.tokenizer, self.problems, self.batch_size = task, tokenizer, list(problems), batch_size
         self.samples = samples
@@ -140,6 +141,9 @@ class Evaluator:
         self.on_prompts = on_prompts  # sees every rendered prompt (the trainer counts over-long ones)
         # the fused LM-head path passes its own (no [N, R, V] logits); by default both models' logits
         self.position_sums = position_sums or self._materialised_sums
+        # several teachers (training/routing.py): each eval row scored by its prompt's teacher, and
+        # eval/teacher/<name>/accuracy on each one's prompts
+        self.routing = routing
 
     def _materialised_sums(self, batch: Batch, divergences: Mapping[str, Divergence], with_entropy: bool) -> dict[str, float]:
         zs = self.student_logits(batch)
@@ -148,31 +152,36 @@ class Evaluator:
         zt = self.teacher.score(batch).logits if divergences else None
         return logit_sums(zs, zt, batch.response_mask, divergences, self.chunk_size, with_entropy)
 
-    def _batches(self, engine):
-        for chunk, batch in greedy_batches(engine, self.tokenizer, self.task, self.problems, self.batch_size):
+    def _batches(self, engine, problems=None):
+        problems = self.problems if problems is None else problems
+        for chunk, batch in greedy_batches(engine, self.tokenizer, self.task, problems, self.batch_size):
             if self.on_prompts is not None:
                 self.on_prompts([self.task.render_prompt(p, self.tokenizer) for p in chunk])
-            yield chunk, batch
+            yield chunk, batch if self.routing is None else self.routing.attach(batch, chunk)
 
-    def accuracy(self, engine: RolloutEngine) -> float:
+    def accuracy(self, engine: RolloutEngine, problems: Sequence[Any] | None = None) -> float:
+        """Greedy accuracy on the eval set (or on ``problems``, a part of it)."""
+        problems = self.problems if problems is None else problems
         correct = 0
-        for chunk, batch in self._batches(engine):
+        for chunk, batch in self._batches(engine, problems):
             texts = decode_responses(self.tokenizer, batch)
             correct += sum(bool(self.task.verify(t, p.answer)) for t, p in zip(texts, chunk))
-        return correct / max(len(self.problems), 1)
+        return correct / max(len(problems), 1)
 
     @torch.no_grad()
     def __call__(self, engine: RolloutEngine, device) -> dict[str, float]:
-        correct, n_tok, sums = 0, 0, defaultdict(float)
+        correct, n_tok, sums = [], 0, defaultdict(float)
         for chunk, batch in self._batches(engine):
             batch = batch.to(device)
             texts = decode_responses(self.tokenizer, batch)
-            correct += sum(bool(self.task.verify(t, p.answer)) for t, p in zip(texts, chunk))
+            correct += [bool(self.task.verify(t, p.answer)) for t, p in zip(texts, chunk)]
             for name, v in self.position_sums(batch, self.divergences, False).items():
                 sums[name] += v
             n_tok += batch.num_response_tokens
         out = {k: v / max(n_tok, 1) for k, v in sums.items()}
-        out["eval/accuracy"] = correct / max(len(self.problems), 1)
+        out["eval/accuracy"] = sum(correct) / max(len(self.problems), 1)
+        if self.routing is not None:
+            out.update(self.routing.accuracies(self.problems, correct))
         if self.samples > 0:
             out.update(self.sampled(engine, device))
         return out
@@ -225,17 +234,17 @@ def require_finite(out: dict[str, Any], step: int) -> dict[str, Any]:
 
 
 def eval_problems(cfg: TrainConfig, train: Sequence[Any], evals: Sequence[Any]) -> list:
-    """The eval set (``trainer.eval_size`` of the task's eval split; 0: all of it). An empty split,
+    """The eval set (``eval.size`` of the task's eval split; 0: all of it). An empty split,
     or an eval size larger than the split, is one line (never clipped in silence)."""
     for split, problems in (("training", train), ("eval", evals)):
         if not problems:
             raise ConfigError(
                 f"task: {cfg.task.name!r} has no {split} problems (empty dataset or split); allowed: a task with at least one"
             )
-    size = cfg.trainer.eval_size
+    size = cfg.eval.size
     if size > len(evals):
         raise ConfigError(
-            f"trainer.eval_size={size} is more than the {len(evals)} eval problems of task {cfg.task.name!r}; "
+            f"eval.size={size} is more than the {len(evals)} eval problems of task {cfg.task.name!r}; "
             f"allowed: 0 (the whole split) up to {len(evals)}, or a larger task.n_eval"
         )
     return list(evals[:size] if size else evals)

@@ -18,7 +18,7 @@ couples a row's positions (returns sum its future), so it is chunked over whole 
 Covered: decoder-only HF models whose head is a plain ``Linear`` over the backbone's last
 hidden state (``model.base_model``), tied or untied, a head with more rows than the tokenizer
 (sliced to ``vocab_size``). Models that scale or soft-cap their logits, LoRA students and
-multi-process training use the materialised path (``trainer.fused_lm_head=auto`` picks it).
+multi-process training use the materialised path (``scale.fused_lm_head=auto`` picks it).
 """
 
 from __future__ import annotations
@@ -221,7 +221,7 @@ def fused_position_sums(
 
 
 class FusedHead:
-    """The fused LM-head path, built once where ``trainer.fused_lm_head`` picks it: a training
+    """The fused LM-head path, built once where ``scale.fused_lm_head`` picks it: a training
     micro-batch (objective, monitors, whole backward) and eval's position sums, both with dropout
     off, from the student's and the teacher's hidden states."""
 
@@ -275,14 +275,14 @@ class FusedHead:
 
 
 def use_fused_lm_head(cfg: TrainConfig, student, teacher, vocab_size: int) -> bool:
-    """``trainer.fused_lm_head``: on, off, or auto (on for real vocabularies where it is exact)."""
-    mode, tc = cfg.trainer.fused_lm_head.value, cfg.trainer
+    """``scale.fused_lm_head``: on, off, or auto (on for real vocabularies where it is exact)."""
+    mode, tc = cfg.scale.fused_lm_head.value, cfg.scale
     if mode == "off":
         return False
     reason = next((f"the {who} {r}" for who, m in (("student", student), ("teacher", teacher)) if (r := unsupported_reason(m))), None)
     if mode == "on":
         if reason:
-            raise ConfigError(f"trainer.fused_lm_head='on' is not allowed; allowed: auto or off here ({reason})")
+            raise ConfigError(f"scale.fused_lm_head='on' is not allowed; allowed: auto or off here ({reason})")
         return True
     # several PPO updates per rollout run on the materialised path (the fused one makes one update)
     one_update = cfg.loss.ppo_updates == 1
@@ -292,9 +292,9 @@ def use_fused_lm_head(cfg: TrainConfig, student, teacher, vocab_size: int) -> bo
 def build_fused_head(
     cfg, objective: Objective, monitors: Monitors, student, teacher, *, vocab_size: int, device, autocast
 ) -> FusedHead | None:
-    """The fused head where ``trainer.fused_lm_head`` picks it (it needs the teacher's hidden
+    """The fused head where ``scale.fused_lm_head`` picks it (it needs the teacher's hidden
     states: never with a served teacher); None: the materialised path."""
-    if cfg.teacher.served or not use_fused_lm_head(cfg, student, teacher, vocab_size):
+    if cfg.teacher.served or teacher is None or not use_fused_lm_head(cfg, student, teacher, vocab_size):  # None: several teachers
         return None
     fused_teacher = FusedTeacher(teacher, vocab_size, temperature=cfg.divergence.temperature, device=device, autocast=autocast)
     return FusedHead(objective, monitors, student, fused_teacher, rollout=cfg.rollout, autocast=autocast)

@@ -212,7 +212,7 @@ class VllmRollout(RolloutEngine):
 
     @classmethod
     def from_config(cls, cfg, student, tokenizer, vocab_size: int, warn: Callable[[str], None] | None = None) -> VllmRollout:
-        ro, tc = cfg.rollout, cfg.trainer
+        ro, tc = cfg.rollout, cfg.scale
         path = getattr(student, "name_or_path", None) or getattr(getattr(student, "config", None), "_name_or_path", None)
         if not path:
             raise ConfigError(

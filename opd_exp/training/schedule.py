@@ -2,7 +2,7 @@
 
 Linear warm-up over ``trainer.warmup_steps``, then the ``trainer.schedule`` shape (constant,
 linear or cosine to 0 at ``trainer.max_steps``). A run extended with other settings
-(``trainer.extend``) continues from the checkpoint's factor with the same shape to the new end:
+(``checkpoint.extend``) continues from the checkpoint's factor with the same shape to the new end:
 each extension is a segment, saved in the checkpoint's loop state (``lr_segments``).
 """
 
@@ -17,7 +17,7 @@ from opd_exp.config.schema import Schedule, TrainerConfig
 class LrSchedule:
     def __init__(self, tc: TrainerConfig):
         self.tc = tc
-        self.segments: list[dict[str, Any]] = []  # continuations made by trainer.extend
+        self.segments: list[dict[str, Any]] = []  # continuations made by checkpoint.extend
 
     def factor(self, step: int) -> float:
         """The factor of trainer.lr at ``step`` (a bound method for LambdaLR: its state_dict saves none of it)."""

@@ -51,7 +51,7 @@ from opd_exp.training.engines import build_engines, require_extras, run_identity
 from opd_exp.training.evaluate import EvalDivergences, Evaluator, eval_problems, require_finite
 from opd_exp.training.heads import build_head
 from opd_exp.training.memory import check_step_memory
-from opd_exp.training.monitors import Monitors, Tally
+from opd_exp.training.monitors import Tally
 from opd_exp.training.objective import Objective
 from opd_exp.training.ppo import PpoUpdates
 from opd_exp.training.report import run_sinks, summary, summary_line
@@ -59,17 +59,18 @@ from opd_exp.training.rollout import Draw, count_truncated, warn_ignored_generat
 from opd_exp.training.schedule import LrSchedule
 from opd_exp.training.state import DataCursor, TrainState
 from opd_exp.training.teacher_served import TeacherUnavailable
-from opd_exp.training.teachers import build_teacher_scorer, sparse_teacher_k
+from opd_exp.training.teacher_set import TeacherSet
+from opd_exp.training.teachers import sparse_teacher_k
 
 
 class Trainer:
     def __init__(self, cfg: TrainConfig, run_dir: Path, *, pair, task, sinks: list[Sink] | None = None):
         self.cfg = cfg
-        tc, ro = cfg.trainer, cfg.rollout
-        if tc.num_threads:
-            torch.set_num_threads(tc.num_threads)
-        # torchrun ranks (trainer.parallel=ddp|fsdp; docs/scale.md): process group + this rank's device
-        self.dist, self.device = dist_util.setup(tc.parallel.value, tc.device)
+        tc, sc, ro = cfg.trainer, cfg.scale, cfg.rollout
+        if sc.num_threads:
+            torch.set_num_threads(sc.num_threads)
+        # torchrun ranks (scale.parallel=ddp|fsdp; docs/scale.md): process group + this rank's device
+        self.dist, self.device = dist_util.setup(sc.parallel.value, sc.device)
         if self.device.type == "cpu":  # freed blocks reused, not faulted in afresh every step (runtime/host.py)
             host.keep_freed_memory()
         self.run_dir = Path(dist_util.broadcast_object(str(run_dir), self.dist))  # rank 0's folder for all
@@ -81,14 +82,14 @@ class Trainer:
         self.task, self.tokenizer, self.vocab_size = task, pair.tokenizer, int(pair.vocab_size)
         self.train_problems = list(task.train_problems())
         eval_set = eval_problems(cfg, self.train_problems, list(task.eval_problems()))  # checked: one line
-        self.student = prec.prepare_student(pair.student, tc, self.device)  # dtype, grad ckpt, LoRA
-        teacher_device = prec.teacher_device(tc, self.device)
+        self.student = prec.prepare_student(pair.student, sc, self.device)  # dtype, grad ckpt, LoRA
+        teacher_device = prec.teacher_device(sc, self.device)
         check_step_memory(  # one line now, not an out-of-memory error minutes later
             cfg, self.student, self.vocab_size, self.device, world_size=self.dist.world_size, teacher_here=teacher_device == self.device
         )
-        self.teacher = prec.prepare_teacher(pair.teacher, tc, teacher_device)  # frozen, no grad
+        self.teacher, self.teachers = TeacherSet.load(cfg, pair, teacher_device, splits=dict(training=self.train_problems, eval=eval_set))
         self.student.train()
-        self.autocast = partial(prec.autocast, self.device, tc.precision.value)
+        self.autocast = partial(prec.autocast, self.device, sc.precision.value)
         self._progress: Progress | None = None
         self._warned: set[str] = set()
 
@@ -99,17 +100,15 @@ class Trainer:
         )
         # a sparse teacher's limits are refused before the server is asked anything
         self.objective = Objective(cfg, teacher_k=sparse_teacher_k(cfg, self.vocab_size), vocab_size=self.vocab_size)
-        self.teacher_scorer = build_teacher_scorer(
-            cfg, self.teacher, self.tokenizer, self.vocab_size, device=teacher_device, autocast=self.autocast, warn=self.warn
-        )
-        self.monitors = Monitors(cfg, sparse=self.objective.sparse)  # exact/*, entropies, overlap/*, the log-prob gap
+        self.teacher_scorer = self.teachers.scorer(self.tokenizer, self.vocab_size, autocast=self.autocast, warn=self.warn)
+        self.monitors = self.teachers.monitors(cfg, self.objective)  # exact/*, entropies, overlap/*, the log-prob gap; teacher/<name>/*
         warn_ignored_generation_settings(pair, self.warn)
         # The training forward goes through DDP / the FSDP2-sharded model; generate, eval and
         # checkpoints use the plain module (fully_shard works in place: the same object).
         self.train_module = dist_util.wrap_student(self.student, self.dist, self.device)
-        # the LM head, picked once (trainer.fused_lm_head): materialised logits, or chunks from hidden states
+        # the LM head, picked once (scale.fused_lm_head): materialised logits, or chunks from hidden states
         self.head, materialised = build_head(
-            cfg, self.objective, self.monitors, self.student, self.teacher, self.train_module, self.teacher_scorer, self.dist,
+            cfg, self.objective, self.monitors, self.student, self.teachers.fused_model, self.train_module, self.teacher_scorer, self.dist,
             vocab_size=self.vocab_size, teacher_device=teacher_device, autocast=self.autocast,
         )  # fmt: skip
         self.student_logits = materialised.student_logits  # (module, batch): the sampling-distribution logits
@@ -118,14 +117,15 @@ class Trainer:
             task,
             self.tokenizer,
             eval_set,
-            batch_size=tc.eval_batch_size,
+            batch_size=cfg.eval.batch_size,
             teacher=self.teacher_scorer,
             divergences=self.eval_divergences if self.teacher_scorer.full_distribution else {},  # need the whole teacher
             student_logits=lambda b: self.student_logits(self.student, b),
             chunk_size=cfg.estimator.chunk_size,
             on_prompts=self._count_truncated,
-            samples=tc.eval_samples,
+            samples=cfg.eval.samples,
             position_sums=getattr(self.head, "position_sums", None),  # the fused head's (no [N, R, V] logits)
+            routing=self.teachers.router,
         )
 
         self.params = [p for p in self.student.parameters() if p.requires_grad]
@@ -152,7 +152,7 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_schedule.factor)
         self.state = TrainState(cursor=DataCursor(len(self.train_problems), cfg.seed), guard=StepGuard(tc.max_bad_steps))
         self._extra_sinks = sinks
-        self.pair_record, self.fingerprint = run_identity(cfg, pair, self.teacher_scorer)
+        self.pair_record, self.fingerprint = self.teachers.identity(*run_identity(cfg, pair, self.teacher_scorer))
         self._session: dict[str, Any] = {"session": "start", "from_step": 0}
 
     @property
@@ -211,7 +211,7 @@ class Trainer:
             engine.sync(self.student, version=step)  # after every update: the engine samples this student
         draw = Draw.for_step(cfg.seed, step, len(prompts) * n, self.dist)
         batch = engine.generate([prompts[r // n] for r in draw.rows], draw.seeds)
-        return dataclasses.replace(batch, prompt_index=torch.tensor([r // n for r in draw.rows])).to(self.device)
+        return self.teachers.route(problems, dataclasses.replace(batch, prompt_index=torch.tensor(draw.rows) // n)).to(self.device)
 
     def accumulate(self, batch, n_tokens: int | None = None) -> tuple[float, Tally]:
         """Forward/backward over micro-batches through the LM head (``training/heads.py``);
@@ -266,7 +266,7 @@ class Trainer:
             self.scheduler.step()
         self.state.step += 1
         dt = time.perf_counter() - t0
-        metrics = tally.metrics(n_global)
+        metrics = self.teachers.metrics(tally, n_global)  # with teachers.map: teacher/<name>/* too
         if line := self.monitors.gap_warning(metrics, step):
             self.warn(line)
         metrics.update(
@@ -302,8 +302,8 @@ class Trainer:
             self.student.train(was_training)
         out = self.eval_divergences.name_own(out)
         if self.state.teacher_accuracy is None:
-            self.state.teacher_accuracy = self.evaluator.accuracy(self.engines.eval_teacher)
-            out["eval/teacher_accuracy"] = self.state.teacher_accuracy
+            out.update(self.teachers.accuracy(self.evaluator, self.engines.eval_teacher))  # and each teacher's on its prompts
+            self.state.teacher_accuracy = out["eval/teacher_accuracy"]
         return out
 
     # -- checkpoints ----------------------------------------------------------
@@ -315,7 +315,7 @@ class Trainer:
             loop = {**self.state.state_dict(), "config": self.fingerprint, "config_hash": fingerprint.short_hash(self.fingerprint)}
             if self.lr_schedule.segments:
                 loop["lr_segments"] = self.lr_schedule.segments
-            path = checkpoint.save(self.run_dir, self.step, model, optimizer, self.scheduler, loop, keep=self.cfg.trainer.keep_checkpoints)
+            path = checkpoint.save(self.run_dir, self.step, model, optimizer, self.scheduler, loop, keep=self.cfg.checkpoint.keep)
         dist_util.barrier(self.dist)
         return path
 
@@ -331,9 +331,9 @@ class Trainer:
         lr = self.optimizer.param_groups[0]["lr"]
         stored = loop.pop("config", None)
         self._session, factor = resume_session(
-            self.cfg.trainer, self.run_dir, step, stored, self.fingerprint, lr, self.scheduler.base_lrs[0], self.warn
+            self.cfg, self.run_dir, step, stored, self.fingerprint, lr, self.scheduler.base_lrs[0], self.warn
         )
-        if factor is not None:  # trainer.extend: the schedule continues from the checkpoint's lr
+        if factor is not None:  # checkpoint.extend: the schedule continues from the checkpoint's lr
             self.lr_schedule.extend(step, factor)
         loop.pop("config_hash", None)
         self.lr_schedule.segments += loop.pop("lr_segments", [])
@@ -365,7 +365,7 @@ class Trainer:
         return summary
 
     def _run(self, preempt: PreemptionGuard, stop_after: int | None):
-        tc, state = self.cfg.trainer, self.state
+        tc, ev, ck, state = self.cfg.trainer, self.cfg.eval, self.cfg.checkpoint, self.state
         resumed = self.resume()
         if self.dist.is_main:
             from opd_exp.sinks.tracking import hydra_job
@@ -393,7 +393,7 @@ class Trainer:
                 try:  # a teacher server lost in the step or its eval: stop at the last finished step, saved
                     metrics = self.train_step()
                     cursor, last = state.cursor.state_dict(), self.step == tc.max_steps
-                    if (tc.eval_every and self.step % tc.eval_every == 0) or last:
+                    if (ev.every and self.step % ev.every == 0) or last:
                         state.eval_last = self.evaluate()
                         if self.eval_rise is not None and (line := self.eval_rise.update(state.eval_before, state.eval_last, self.step)):
                             self.warn(line)
@@ -411,7 +411,7 @@ class Trainer:
                 if last and state.guard.skipped_steps >= self.step:  # nothing was ever trained: no ordinary summary
                     raise Diverged(state.guard.all_skipped_message(self.step, checkpoint.latest(self.run_dir)))
                 # No periodic save inside a run of bad steps: keep the checkpoints from before it.
-                if (tc.save_every and self.step % tc.save_every == 0 and not state.guard.bad_in_a_row) or last:
+                if (ck.every and self.step % ck.every == 0 and not state.guard.bad_in_a_row) or last:
                     self.save()
                 done_now += 1
                 if stop_after is not None and done_now >= stop_after and not last:

@@ -99,7 +99,7 @@ def load_pair(root: Path) -> SimpleNamespace:
 
 @contextlib.contextmanager
 def float64():
-    """The trainer in float64 for the duration: it has no float64 setting (trainer.param_dtype
+    """The trainer in float64 for the duration: it has no float64 setting (scale.param_dtype
     is fp32 or bf16), so its fp32 maps to float64, and new tensors default to float64."""
     from opd_exp.runtime import precision
 

@@ -81,6 +81,8 @@ def build_model(folder: Path, vocab_size: int, hidden: int, layers: int, seed: i
 def small_config(**groups):
     """A TrainConfig shrunk for CPU tests; ``groups`` maps a group name to a dict of fields."""
     from opd_exp.config import schema as S
+    from opd_exp.config.deprecated import RENAMED
+    from opd_exp.config.reward import RewardBaseline, RewardConfig
     from opd_exp.config.world import ModelPairConfig, TaskConfig
 
     enum_of = {
@@ -89,9 +91,10 @@ def small_config(**groups):
         ("loss", "name"): S.LossName,
         ("loss", "credit"): S.Credit,
         ("trainer", "schedule"): S.Schedule,
-        ("trainer", "precision"): S.Precision,
+        ("scale", "precision"): S.Precision,
         ("logger", "name"): S.LoggerName,
         ("rollout", "engine"): S.RolloutEngine,
+        ("reward", "baseline"): RewardBaseline,
     }
     base = {
         "trainer": dict(
@@ -99,19 +102,20 @@ def small_config(**groups):
             batch_size=4,
             lr=1e-2,
             warmup_steps=0,
-            eval_every=0,
-            eval_size=4,
-            eval_batch_size=4,
-            save_every=0,
-            device="cpu",
             progress=False,
             schedule="constant",
         ),
+        "eval": dict(every=0, size=4, batch_size=4),
+        "checkpoint": dict(every=0),
+        "scale": dict(device="cpu"),
         "rollout": dict(max_new_tokens=4, max_prompt_tokens=8),
         "logger": dict(name="none"),
     }
     for g, fields in groups.items():
-        base.setdefault(g, {}).update(fields)
+        for k, v in fields.items():  # a moved key given under trainer (eval_every, device, ...) goes to its group
+            new = RENAMED.get(f"{g}.{k}", f"{g}.{k}")
+            group, key = new.split(".", 1)
+            base.setdefault(group, {})[key] = v
     kwargs = {}
     cls = {
         "divergence": S.DivergenceConfig,
@@ -119,7 +123,11 @@ def small_config(**groups):
         "loss": S.LossConfig,
         "rollout": S.RolloutConfig,
         "trainer": S.TrainerConfig,
+        "eval": S.EvalConfig,
+        "checkpoint": S.CheckpointConfig,
+        "scale": S.ScaleConfig,
         "logger": S.LoggerConfig,
+        "reward": RewardConfig,
     }
     for g, fields in base.items():
         conv = {k: (enum_of[(g, k)](v) if (g, k) in enum_of and isinstance(v, str) else v) for k, v in fields.items()}

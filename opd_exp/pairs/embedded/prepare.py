@@ -86,6 +86,8 @@ def model_key(role: str, pair: EmbeddedPairConfig, task: TaskConfig) -> dict:
     a seed sweep reuses one prepared pair.
     """
     model: EmbeddedModelConfig = getattr(pair, role)
+    if role == "teacher" and pair.recovery > 0:  # only then: every other key stays what it was
+        return {**model_key(role, dataclasses.replace(pair, recovery=0.0), task), "recovery": pair.recovery}
     if task.name == "multimodal":
         return {
             "world_version": WORLD_VERSION,
@@ -174,6 +176,10 @@ def _build_model(folder: Path, role: str, pair: EmbeddedPairConfig, task: TaskCo
     recipe: EmbeddedModelConfig = getattr(pair, role)
     tokenizer = load_tokenizer(tok_dir)
     evals, problems = _sft_data(task, pair)
+    if role == "teacher" and pair.recovery > 0:
+        from opd_exp.pairs.embedded.recovery import with_recovery
+
+        problems = with_recovery(problems, pair.recovery, pair.seed)
     seed = pair.seed * 2 + (0 if role == "teacher" else 1)
     model = build_model(recipe, tokenizer, seed=seed)
     fit = sft_train(

@@ -1,0 +1,96 @@
+"""Old config keys, accepted for one release with a one-line notice.
+
+The ``trainer`` group used to hold evaluation, checkpointing and hardware settings as well as
+the loop; they now live in their own groups (``eval``, ``checkpoint``, ``scale``). An old
+dotted key on the command line (``trainer.eval_every=100``) is rewritten to its new key before
+Hydra composes, with one line on stderr; a config stored by an older run (checkpoint, run
+folder) is read through ``upgrade_config`` so a resume or a comparison sees today's keys.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+# old dotted key -> new dotted key
+RENAMED: dict[str, str] = {
+    "trainer.eval_every": "eval.every",
+    "trainer.eval_size": "eval.size",
+    "trainer.eval_batch_size": "eval.batch_size",
+    "trainer.eval_samples": "eval.samples",
+    "trainer.save_every": "checkpoint.every",
+    "trainer.keep_checkpoints": "checkpoint.keep",
+    "trainer.extend": "checkpoint.extend",
+    **{
+        f"trainer.{k}": f"scale.{k}"
+        for k in (
+            "device",
+            "precision",
+            "num_threads",
+            "parallel",
+            "param_dtype",
+            "teacher_dtype",
+            "grad_checkpointing",
+            "fused_lm_head",
+            "teacher_device",
+            "lora_rank",
+            "lora_alpha",
+            "lora_dropout",
+            "lora_target_modules",
+        )
+    },
+}
+
+REMOVED_IN = "0.2"  # the release after this one (pyproject: 0.1.0)
+
+# an override: optional +/++/~ prefix, the dotted key, then =value (or nothing for ~key)
+_OVERRIDE = re.compile(r"^(?P<prefix>\+\+|\+|~)?(?P<key>[A-Za-z_][\w.]*)(?P<rest>(=.*)?)$", re.S)
+
+
+def notice(old: str, new: str) -> str:
+    return f"opd-train: {old} is deprecated and will be removed in opd-exp {REMOVED_IN}; use {new}"
+
+
+def upgrade_overrides(overrides: Iterable[str], warn: Callable[[str], None] | None = None) -> list[str]:
+    """Command-line overrides with every old key rewritten to its new one; ``warn`` gets one
+    line per old key used (stderr by default)."""
+    warn = warn or (lambda line: print(line, file=sys.stderr))
+    out, seen = [], set()
+    for item in overrides:
+        m = _OVERRIDE.match(item)
+        new = RENAMED.get(m.group("key")) if m else None
+        if new is None:
+            out.append(item)
+            continue
+        old = m.group("key")
+        if old not in seen:
+            seen.add(old)
+            warn(notice(old, new))
+        out.append(f"{m.group('prefix') or ''}{new}{m.group('rest')}")
+    return out
+
+
+def upgrade_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A stored run config (nested dict) with the old keys moved to their groups. Where both
+    the old and the new key are present, the new one is kept."""
+    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
+    trainer = out.get("trainer")
+    if not isinstance(trainer, dict):
+        return out
+    for old, new in RENAMED.items():
+        key = old.split(".", 1)[1]
+        if key not in trainer:
+            continue
+        value = trainer.pop(key)
+        group, field = new.split(".", 1)
+        dest = out.setdefault(group, {})
+        if isinstance(dest, dict):
+            dest.setdefault(field, value)
+    return out
+
+
+def upgrade_flat(values: dict[str, Any]) -> dict[str, Any]:
+    """A flat ``{dotted key: value}`` map (a fingerprint) with the old keys renamed."""
+    return {RENAMED.get(k, k): v for k, v in values.items()}

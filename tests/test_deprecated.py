@@ -1,0 +1,84 @@
+"""Old config keys (before the eval/checkpoint/scale groups): accepted with one notice each,
+rewritten to the new key, and stored fingerprints read under the new names."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from opd_exp.cli.compose import compose_config
+from opd_exp.config import schema as S
+from opd_exp.config.deprecated import RENAMED, upgrade_config, upgrade_flat, upgrade_overrides
+
+
+def test_every_old_key_names_an_existing_new_field():
+    groups = {"eval": S.EvalConfig(), "checkpoint": S.CheckpointConfig(), "scale": S.ScaleConfig()}
+    for old, new in RENAMED.items():
+        group, key = new.split(".", 1)
+        assert hasattr(groups[group], key), new
+        assert not hasattr(S.TrainerConfig(), old.split(".", 1)[1]), old  # gone from trainer
+
+
+def test_overrides_are_rewritten_with_one_notice_per_key():
+    lines: list[str] = []
+    out = upgrade_overrides(
+        ["trainer.eval_every=5", "+trainer.device=cpu", "~trainer.save_every", "trainer.lr=1e-3", "trainer.eval_every=7", "seed=1"],
+        lines.append,
+    )
+    assert out == ["eval.every=5", "+scale.device=cpu", "~checkpoint.every", "trainer.lr=1e-3", "eval.every=7", "seed=1"]
+    assert lines == [
+        "opd-train: trainer.eval_every is deprecated and will be removed in opd-exp 0.2; use eval.every",
+        "opd-train: trainer.device is deprecated and will be removed in opd-exp 0.2; use scale.device",
+        "opd-train: trainer.save_every is deprecated and will be removed in opd-exp 0.2; use checkpoint.every",
+    ]
+
+
+def test_a_sweep_value_list_keeps_its_values():
+    assert upgrade_overrides(["trainer.eval_size=10,20,30"], lambda _: None) == ["eval.size=10,20,30"]
+
+
+def test_old_and_new_keys_compose_the_same_config():
+    old = compose_config("trainer.eval_every=7", "trainer.keep_checkpoints=3", "trainer.precision=bf16", "logger=none")
+    new = compose_config("eval.every=7", "checkpoint.keep=3", "scale.precision=bf16", "logger=none")
+    assert old == new
+    assert (new.eval.every, new.checkpoint.keep, new.scale.precision) == (7, 3, S.Precision.bf16)
+
+
+def test_scale_overlays():
+    gpu = compose_config("scale=gpu", "logger=none").scale
+    assert (gpu.device, gpu.precision, gpu.parallel) == ("cuda", S.Precision.bf16, S.Parallel.none)
+    ddp = compose_config("scale=ddp", "logger=none").scale
+    assert (ddp.device, ddp.parallel) == ("cuda", S.Parallel.ddp)
+    assert compose_config("experiment=opd_gsm8k_rkl").scale.device == "cuda"  # the experiment takes scale=gpu
+
+
+def test_a_new_key_out_of_range_names_the_new_key():
+    with pytest.raises(Exception, match=r"eval\.batch_size=0 is not allowed; allowed: integer >= 1"):
+        compose_config("trainer.eval_batch_size=0", "logger=none")
+
+
+def test_stored_configs_are_read_under_the_new_names():
+    nested = {"trainer": {"lr": 0.1, "eval_every": 5, "device": "cpu", "extend": True}, "eval": {"size": 3}}
+    assert upgrade_config(nested) == {
+        "trainer": {"lr": 0.1},
+        "eval": {"size": 3, "every": 5},
+        "scale": {"device": "cpu"},
+        "checkpoint": {"extend": True},
+    }
+    assert nested["trainer"]["eval_every"] == 5  # the input is not changed
+    assert upgrade_flat({"trainer.eval_size": 4, "trainer.lr": 1.0}) == {"eval.size": 4, "trainer.lr": 1.0}
+
+
+def test_the_cli_prints_the_notice_and_runs_with_the_new_key(tmp_path):
+    # --cfg job shows the composed config without training: the old key arrives as the new one
+    out = subprocess.run(
+        [sys.executable, "-m", "opd_exp.cli.train", "trainer.eval_every=9", "logger=none", f"hydra.run.dir={tmp_path}", "--cfg", "job"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "opd-train: trainer.eval_every is deprecated and will be removed in opd-exp 0.2; use eval.every" in out.stderr
+    assert "eval:\n  every: 9\n" in out.stdout
