@@ -3,23 +3,23 @@
 from __future__ import annotations
 
 from .schema import (
+    CheckpointConfig,
     Credit,
     DivergenceConfig,
     DivergenceName,
     EstimatorConfig,
     EstimatorName,
+    EvalConfig,
     LoggerConfig,
     LoggerName,
     LossConfig,
     LossName,
     Precision,
     RolloutConfig,
+    ScaleConfig,
     Schedule,
     TrainConfig,
     TrainerConfig,
-    EvalConfig,
-    CheckpointConfig,
-    ScaleConfig,
     validate,
 )
 
@@ -68,23 +68,23 @@ def store_divergence_options(store) -> None:
 
 
 __all__ = [
+    "CheckpointConfig",
     "Credit",
     "DivergenceConfig",
     "DivergenceName",
     "EstimatorConfig",
     "EstimatorName",
+    "EvalConfig",
     "LoggerConfig",
     "LoggerName",
     "LossConfig",
     "LossName",
     "Precision",
     "RolloutConfig",
+    "ScaleConfig",
     "Schedule",
     "TrainConfig",
     "TrainerConfig",
-    "EvalConfig",
-    "CheckpointConfig",
-    "ScaleConfig",
     "register_configs",
     "validate",
 ]
