@@ -54,6 +54,7 @@ def select_rows(batch: Batch, rows: torch.Tensor) -> Batch:
         response_mask=batch.response_mask[rows],
         prompt_index=batch.prompt_index[rows],
         sampling_logprobs=None if batch.sampling_logprobs is None else batch.sampling_logprobs[rows],
+        route=None if batch.route is None else batch.route[rows],
     )
 
 

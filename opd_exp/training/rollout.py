@@ -152,6 +152,8 @@ class Batch:
     # generate's processed scores; vLLM: its processed log-probs; None for greedy batches):
     # compared with the trainer's (rollout/logprob_gap), never trained on
     sampling_logprobs: torch.Tensor | None = None
+    # [N] which teacher scores each row (teachers.map, training/routing.py); None: the one teacher
+    route: torch.Tensor | None = None
 
     @property
     def response_ids(self) -> torch.Tensor:
@@ -179,6 +181,7 @@ class Batch:
                 response_mask=self.response_mask[sl],
                 prompt_index=self.prompt_index[sl],
                 sampling_logprobs=None if self.sampling_logprobs is None else self.sampling_logprobs[sl],
+                route=None if self.route is None else self.route[sl],
             )
 
     def to(self, device) -> Batch:
@@ -190,6 +193,7 @@ class Batch:
             response_mask=self.response_mask.to(device),
             prompt_index=self.prompt_index.to(device),
             sampling_logprobs=None if self.sampling_logprobs is None else self.sampling_logprobs.to(device),
+            route=None if self.route is None else self.route.to(device),
         )
 
 

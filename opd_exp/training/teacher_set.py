@@ -1,0 +1,208 @@
+"""The run's teachers, picked once: the pair's teacher (the default), or ``teachers.map``'s, each
+prompt routed to one (``training/routing.py``; docs/training.md, "Several teachers").
+
+``TeacherSet`` is what the trainer asks of them, the same calls either way: the scorer, the
+batch's routes, the monitors, a step's metrics, the teachers' eval accuracy, and what the run
+records of them. Without a map every call is what the trainer did before the map existed.
+
+A map's teacher comes from a conf/model_pair option (``pair``: its teacher, prepared with that
+option's recipe and task) or from ``path`` (as ``model_pair.teacher`` takes it); it must share the
+pair's tokenizer. A teacher whose folder is the pair's own teacher is that loaded module (not a
+second copy). Its content (SHA-256 of the folder's files; a hub id by its id) goes into the run's
+fingerprint under ``teachers.loaded.<name>`` and the run record's ``teachers``: a resume with
+another teacher set is refused, naming the key.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from opd_exp.runtime import fingerprint
+from opd_exp.runtime import precision as prec
+from opd_exp.runtime.errors import ConfigError
+from opd_exp.training.monitors import Monitors, Tally
+from opd_exp.training.routing import RoutedMonitors, Router, TeacherMap, teacher_metrics
+from opd_exp.training.teachers import build_teacher_scorer
+
+
+class TeacherSet:
+    def __init__(self, cfg, models: list, *, device, names: Sequence[str] = (), router: Router | None = None, records=None):
+        self.cfg, self.models, self.device = cfg, models, device
+        self.names, self.router = tuple(names), router  # empty names, no router: the pair's one teacher
+        self.records: dict[str, dict[str, Any]] = records or {}
+        self.scorers: list = []
+        self._engines: dict[int, Any] = {}
+
+    @classmethod
+    def load(cls, cfg, pair, device, *, splits: dict[str, Sequence[Any]]) -> tuple[Any, TeacherSet]:
+        """(the module the engines and the fused head use, the set): the pair's teacher, or the
+        map's teachers (every problem of ``splits`` routed first: one line before they load)."""
+        sc = cfg.scale
+        if not cfg.teachers.active:
+            model = prec.prepare_teacher(pair.teacher, sc, device)  # frozen, no grad
+            return model, cls(cfg, [model], device=device)
+        router = Router(cfg.teachers)
+        router.check(splits)
+        models, records = [], {}
+        for name, src in cfg.teachers.map.items():
+            key = f"teachers.map.{name}"
+            where = resolve_source(key, src, cfg)
+            if where == getattr(pair, "teacher_path", None):
+                model = pair.teacher  # the pair's own: one copy
+            else:
+                model = load_teacher(key, where, cfg, pair)
+            models.append(prec.prepare_teacher(model, sc, device))
+            records[name] = {"source": f"pair:{src.pair}" if src.pair else src.path, "path": where, "sha256": content(where)}
+            records[name]["covers"] = list(src.covers)
+        return models[0], cls(cfg, models, device=device, names=tuple(cfg.teachers.map), router=router, records=records)
+
+    @property
+    def active(self) -> bool:
+        return self.router is not None
+
+    @property
+    def fused_model(self):
+        """The teacher module of the fused LM head: None with several teachers (it holds one)."""
+        return self.models[0] if len(self.models) == 1 else None
+
+    def scorer(self, tokenizer, vocab_size: int, *, autocast, warn):
+        """The run's ``TeacherScorer``: the ``teacher`` group's, or a ``TeacherMap`` of one per teacher."""
+        self._engine_args = (tokenizer, vocab_size, autocast)
+        kw = dict(device=self.device, autocast=autocast, warn=warn)
+        if not self.active:
+            return build_teacher_scorer(self.cfg, self.models[0], tokenizer, vocab_size, **kw)
+        self.scorers = [
+            build_teacher_scorer(self._entry_config(n), m, tokenizer, vocab_size, **kw) for n, m in zip(self.names, self.models)
+        ]
+        return TeacherMap(self.names, self.scorers)
+
+    def _entry_config(self, name: str):
+        """The run's config with the ``teacher`` group pointing at this teacher's server (served)."""
+        if not self.cfg.teacher.served:
+            return self.cfg
+        src = self.cfg.teachers.map[name]
+        out = copy.copy(self.cfg)  # no __post_init__: teacher.url stays null in the run's own config
+        out.teacher = dataclasses.replace(self.cfg.teacher, url=src.url, model=src.model)
+        return out
+
+    def route(self, problems: Sequence[Any], batch):
+        """``batch`` with each row's teacher (unchanged without a map)."""
+        return batch if self.router is None else self.router.attach(batch, problems)
+
+    def monitors(self, cfg, objective) -> Monitors:
+        if not self.active:
+            return Monitors(cfg, sparse=objective.sparse)
+        return RoutedMonitors(cfg, self.names, objective, sparse=objective.sparse)
+
+    def metrics(self, tally: Tally, n_tokens: int) -> dict[str, float]:
+        """A step's metrics from its ``Tally``; with a map, each teacher's too."""
+        metrics = tally.metrics(n_tokens)
+        return metrics if not self.active else teacher_metrics(metrics, tally, self.names)
+
+    def accuracy(self, evaluator, engine) -> dict[str, float]:
+        """``eval/teacher_accuracy`` (``engine``: the teacher's greedy engine); with several
+        teachers each one on its own prompts (``eval/teacher/<name>/teacher_accuracy``), and the
+        global one over all prompts, each answered by its teacher."""
+        if not self.active or len(self.models) == 1:
+            acc = evaluator.accuracy(engine)
+            return {"eval/teacher_accuracy": acc, **{f"eval/teacher/{n}/teacher_accuracy": acc for n in self.names}}
+        groups: dict[int, list] = {}
+        for p in evaluator.problems:
+            groups.setdefault(self.router.of(p), []).append(p)
+        out, correct = {}, 0
+        for k, problems in sorted(groups.items()):
+            acc = evaluator.accuracy(self._engine(k), problems)
+            out[f"eval/teacher/{self.names[k]}/teacher_accuracy"] = acc
+            correct += round(acc * len(problems))
+        return {"eval/teacher_accuracy": correct / max(len(evaluator.problems), 1), **out}
+
+    def _engine(self, k: int):
+        if k not in self._engines:
+            from opd_exp.training.engines import in_process_engine
+
+            tokenizer, vocab_size, autocast = self._engine_args
+            self._engines[k] = in_process_engine(self.cfg, self.models[k], tokenizer, vocab_size, source="teacher", autocast=autocast)
+        return self._engines[k]
+
+    def identity(self, record: dict[str, Any], values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the run record, the fingerprint) with the teacher set: per teacher its source, folder,
+        content hash, covers (and a served one's identity)."""
+        if not self.active:
+            return record, values
+        values = dict(values)
+        teachers = {name: dict(r) for name, r in self.records.items()}
+        for i, name in enumerate(self.names):
+            values[f"{fingerprint.TEACHERS_LOADED}{name}.sha256"] = teachers[name]["sha256"]
+            served = self.scorers[i].identity() if self.scorers else {}
+            for k, v in served.items():
+                values[f"{fingerprint.TEACHERS_LOADED}{name}.server.{k.rsplit('.', 1)[-1]}"] = v
+            if served:
+                teachers[name]["server"] = {k.rsplit(".", 1)[-1]: v for k, v in served.items()}
+        return {**record, "teachers": {"route": self.cfg.teachers.route, **teachers}}, values
+
+
+def resolve_source(key: str, src, cfg) -> str:
+    """The folder (or hub id) of a map entry's teacher: a ``pair`` option's teacher, prepared with
+    its recipe and task (``for_task``), or ``path`` with the run's pair recipe and task."""
+    from opd_exp.pairs.load import resolve_pair
+
+    if src.pair is not None:
+        pair_cfg, task_cfg = pair_option_configs(key, src.pair, cfg.task)
+        value = pair_cfg.teacher
+    else:
+        pair_cfg, task_cfg, value = cfg.model_pair, cfg.task, src.path
+    where = f"{key}.{'pair' if src.pair is not None else 'path'}"
+    try:  # the teacher alone: the student slot names it too, so nothing else is prepared
+        return resolve_pair(dataclasses.replace(pair_cfg, student=value, teacher=value), task_cfg)[1]
+    except ConfigError as ex:
+        raise ConfigError(str(ex).replace("model_pair.student", where).replace("model_pair.teacher", where)) from None
+
+
+def pair_option_configs(key: str, option: str, run_task):
+    """(ModelPairConfig, TaskConfig) of a conf/model_pair option: the task is its ``for_task``
+    option's, else the run's."""
+    from omegaconf import OmegaConf
+
+    from opd_exp.config.folders import CONF_DIR
+    from opd_exp.config.teachers import pair_option
+    from opd_exp.config.world import as_pair_config, as_task_config
+
+    pair_cfg = as_pair_config(OmegaConf.load(pair_option(key, option)))
+    if not pair_cfg.for_task:
+        return pair_cfg, run_task
+    path = CONF_DIR / "task" / f"{pair_cfg.for_task}.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{key}.pair={option!r}: its for_task={pair_cfg.for_task!r} has no conf/task/ file; allowed: a task option")
+    return pair_cfg, as_task_config(OmegaConf.load(path))
+
+
+def load_teacher(key: str, where: str, cfg, pair):
+    """A map teacher's model (frozen), checked against the pair's tokenizer where the pair was
+    loaded from folders (``preflight``), and against its vocabulary always."""
+    from opd_exp.pairs.load import _load_model, preflight
+
+    student_path = getattr(pair, "student_path", None)
+    try:
+        if student_path:
+            preflight(
+                dataclasses.replace(cfg.model_pair, student=student_path, teacher=where), student_path=student_path, teacher_path=where
+            )
+        model = _load_model("model_pair.teacher", where, cfg.model_pair, "cpu")
+    except ConfigError as ex:
+        raise ConfigError(str(ex).replace("model_pair.teacher", key)) from None
+    rows = model.get_output_embeddings().weight.shape[0]
+    if rows < int(pair.vocab_size):
+        raise ConfigError(
+            f"{key}: {where!r} has {rows} output rows but the pair's tokenizer has {pair.vocab_size} tokens; "
+            f"allowed: a teacher that shares the pair's tokenizer"
+        )
+    return model.eval().requires_grad_(False)
+
+
+def content(where: str) -> str:
+    """SHA-256 of a local teacher folder's files, or a hub id itself (its identity)."""
+    return fingerprint.teacher_content(where) if Path(where).is_dir() else where
