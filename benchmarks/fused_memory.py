@@ -68,6 +68,7 @@ def _worker(impl: str, V: int, N: int, R: int, seed: int = 0) -> dict:
     from opd_exp.training.monitors import Monitors
     from opd_exp.training.objective import Objective
     from opd_exp.training.rollout import Batch
+    from opd_exp.training.sampling import SamplingSpec
     from opd_exp.training.scoring import student_logits, teacher_logits
 
     P = 8
@@ -95,7 +96,7 @@ def _worker(impl: str, V: int, N: int, R: int, seed: int = 0) -> dict:
         objective, monitors = Objective(cfg), Monitors(cfg)
         n = N * R
         if impl == "materialised":
-            zs = student_logits(student, batch, V, temperature=1.0, top_k=0, top_p=1.0)
+            zs = student_logits(student, batch, V, SamplingSpec())
             zt = teacher_logits(teacher, batch, V, temperature=1.0)
             out = objective(zs, zt, batch.response_ids, batch.response_mask, on_policy=True, normalizer=n)
             monitors(zs, zt, out)
@@ -104,7 +105,7 @@ def _worker(impl: str, V: int, N: int, R: int, seed: int = 0) -> dict:
         else:
             ft = FusedTeacher(teacher, V, temperature=1.0, device="cpu")
             out = fused_accumulate(
-                objective, monitors, student, ft, batch, vocab_size=V, temperature=1.0, top_k=0, top_p=1.0, on_policy=True, normalizer=n
+                objective, monitors, student, ft, batch, vocab_size=V, sampling=SamplingSpec(), on_policy=True, normalizer=n
             )
             loss = float(out.loss)
     else:

@@ -61,7 +61,7 @@ def test_row_keyed_sampling_is_independent_of_the_batch_split(tiny_pair):
     from opd_exp.training.rollout import generate
 
     prompts = ["1+2=", "3+4=", "5+6=", "7+8="]
-    kw = dict(max_new_tokens=6, max_prompt_tokens=8, vocab_size=tiny_pair.vocab_size, temperature=1.0)
+    kw = dict(max_new_tokens=6, max_prompt_tokens=8, vocab_size=tiny_pair.vocab_size)
     seeds = D.row_seeds(0, 3, range(8))
     rows = [p for p in prompts for _ in range(2)]
     whole = generate(tiny_pair.student, tiny_pair.tokenizer, rows, row_seeds=seeds, **kw)
@@ -80,10 +80,11 @@ def test_row_keyed_sampling_is_independent_of_the_batch_split(tiny_pair):
 def test_row_keyed_sampler_draws_from_sampling_logits():
     """Empirical frequencies of the Gumbel-max draw match softmax(sampling_logits) (top-k=2, T=0.7)."""
     from opd_exp.training.rollout import RowKeyedSampler, sampling_logits
+    from opd_exp.training.sampling import SamplingSpec
 
     z = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
     n = 4000
-    sampler = RowKeyedSampler(range(n), "cpu", 4, temperature=0.7, top_k=2)
+    sampler = RowKeyedSampler(range(n), "cpu", 4, SamplingSpec(temperature=0.7, top_k=2))
     out = sampler(None, z.expand(n, 4).clone())
     counts = torch.bincount(out.argmax(-1), minlength=4).float() / n
     want = sampling_logits(z, 0.7, 2, 1.0).softmax(-1)[0]

@@ -1,6 +1,6 @@
 """The fused LM-head path equals the materialised one: loss, every metric sum and the gradient
 of every student parameter, in fp64, for every divergence x estimator x loss x credit the
-config allows (each with every ``loss.positions``), student- and teacher-sampled batches, with
+config allows (each with positions all/first/last; the others: tests/test_positions.py), student- and teacher-sampled batches, with
 sampling filters and temperatures."""
 
 from __future__ import annotations
@@ -12,12 +12,14 @@ import pytest
 import torch
 
 from helpers.tiny import AddTask, small_config
-from opd_exp.config.schema import Credit, DivergenceName, EstimatorName, FusedLmHead, LossName, ParamDtype, Positions, Precision, validate
+from opd_exp.config.positions import PositionsName as Positions
+from opd_exp.config.schema import Credit, DivergenceName, EstimatorName, FusedLmHead, LossName, ParamDtype, Precision, validate
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.fused import FusedHead, FusedTeacher, fused_accumulate, unsupported_reason
 from opd_exp.training.monitors import Monitors, Tally
 from opd_exp.training.objective import Objective
 from opd_exp.training.rollout import generate
+from opd_exp.training.sampling import SamplingSpec
 from opd_exp.training.scoring import student_logits, teacher_logits
 
 
@@ -40,7 +42,7 @@ def _both_paths(pair, cfg, batch, on_policy, chunk):
     n = batch.num_response_tokens + 3  # a global count larger than this micro-batch's
 
     student.zero_grad(set_to_none=True)
-    zs = student_logits(student, batch, V, temperature=ro.temperature, top_k=ro.top_k, top_p=ro.top_p)
+    zs = student_logits(student, batch, V, SamplingSpec.from_rollout(ro))
     zt = teacher_logits(pair.teacher, batch, V, temperature=cfg.divergence.temperature)
     ref = objective(zs, zt, batch.response_ids, batch.response_mask, on_policy=on_policy, normalizer=n)
     tally = Tally()
@@ -59,9 +61,7 @@ def _both_paths(pair, cfg, batch, on_policy, chunk):
         teacher,
         batch,
         vocab_size=V,
-        temperature=ro.temperature,
-        top_k=ro.top_k,
-        top_p=ro.top_p,
+        sampling=SamplingSpec.from_rollout(ro),
         on_policy=on_policy,
         normalizer=n,
         chunk_positions=chunk,
@@ -98,14 +98,12 @@ def _batch(pair, ro):
         ["1+2=", "34+5=", "7=", "12+"],
         n_samples=2,
         max_new_tokens=6,
-        temperature=ro["temperature"],
-        top_k=ro["top_k"],
-        top_p=ro["top_p"],
+        sampling=SamplingSpec(ro["temperature"], ro["top_k"], ro["top_p"]),
         vocab_size=pair.vocab_size,
     )
 
 
-# loss.positions with its fraction: a chunk of per-token positions spans several rows, and the
+# positions (given by their old loss.* keys) with the fraction: a chunk of per-token positions spans several rows, and the
 # first/last share is of each row's response, never of the chunk
 POSITIONS = [(Positions.all, 0.3), (Positions.first, 0.3), (Positions.last, 0.45)]
 

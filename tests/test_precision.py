@@ -18,10 +18,11 @@ HAS_PEFT = importlib.util.find_spec("peft") is not None
 
 
 def _grads(model, batch, vocab):
+    from opd_exp.training.sampling import SamplingSpec
     from opd_exp.training.scoring import student_logits
 
     model.zero_grad(set_to_none=True)
-    z = student_logits(model, batch, vocab, temperature=1.0, top_k=0, top_p=1.0)
+    z = student_logits(model, batch, vocab, SamplingSpec())
     (z.log_softmax(-1)[..., 3] * batch.response_mask).sum().backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 

@@ -7,11 +7,13 @@ import torch
 
 from opd_exp.training.rollout import (
     FILTERED_LOGIT,
+    Batch,
     encode_prompts,
     generate,
     response_mask_from_ids,
     sampling_logits,
 )
+from opd_exp.training.sampling import SamplingSpec
 from opd_exp.training.scoring import response_logits, student_logits, token_logprobs
 
 
@@ -53,14 +55,12 @@ def test_sampling_logprobs_are_those_of_the_sampled_distribution(tiny_pair, temp
         ["1+2=", "34+5=", "7="],
         n_samples=2,
         max_new_tokens=6,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
+        sampling=SamplingSpec(temperature, top_k, top_p),
         vocab_size=V,
         return_scores=True,
     )
     with torch.no_grad():
-        ours = student_logits(model, batch, V, temperature=temperature, top_k=top_k, top_p=top_p)
+        ours = student_logits(model, batch, V, SamplingSpec(temperature, top_k, top_p))
     ref = scores[..., :V].float()
     m = batch.response_mask
     # the same tokens survive the filters ...
@@ -109,3 +109,34 @@ def test_sampling_logits_filters():
     kept = sampling_logits(z, top_p=float(p[0]) + 1e-3) > FILTERED_LOGIT / 2
     assert kept.tolist() == [[True, True, False, False]]
     torch.testing.assert_close(sampling_logits(z, temperature=2.0), z / 2)
+
+
+def test_sampling_spec_carries_the_rollout_settings():
+    from types import SimpleNamespace
+
+    spec = SamplingSpec.from_rollout(SimpleNamespace(temperature=0.7, top_k=2, top_p=0.9, max_new_tokens=5))
+    assert spec == SamplingSpec(0.7, 2, 0.9) and spec.filtered
+    assert not SamplingSpec().filtered and SamplingSpec(top_p=0.5).filtered
+    z = torch.tensor([[2.0, 1.0, 0.5, -1.0]])
+    assert torch.equal(spec.logits(z), sampling_logits(z, 0.7, 2, 0.9))
+    assert torch.equal(SamplingSpec().logits(z), z)
+
+
+def test_every_engine_lays_out_its_batch_the_same_way():
+    """``Batch.from_responses``: prompt then response, positions skipping left padding, the mask
+    up to the first EOS and (rows that stopped early) no further than each row's length, the
+    engine's log-probs kept on the mask only, rows prompt-major."""
+    ids, mask = torch.tensor([[0, 5], [6, 7]]), torch.tensor([[0, 1], [1, 1]])
+    response = torch.tensor([[3, 1, 0], [4, 4, 4]])
+    lp = torch.tensor([[-0.5, -0.25, -9.0], [-1.0, -2.0, -3.0]])
+    b = Batch.from_responses(ids, mask, response, [1], n_samples=2, source="teacher", sampling_logprobs=lp)
+    assert b.input_ids.tolist() == [[0, 5, 3, 1, 0], [6, 7, 4, 4, 4]] and b.prompt_len == 2
+    assert b.attention_mask.tolist() == [[0, 1, 1, 1, 1], [1, 1, 1, 1, 1]]
+    assert b.position_ids.tolist() == [[0, 0, 1, 2, 3], [0, 1, 2, 3, 4]]
+    assert b.response_mask.tolist() == [[True, True, False], [True, True, True]]
+    assert b.prompt_index.tolist() == [0, 0] and b.source == "teacher"
+    assert b.sampling_logprobs.tolist() == [[-0.5, -0.25, 0.0], [-1.0, -2.0, -3.0]]
+    assert b.reward_advantages is None and b.route is None
+    short = Batch.from_responses(ids, mask, response, [1], lengths=torch.tensor([3, 0]))
+    assert short.response_mask.tolist() == [[True, True, False], [False, False, False]]
+    assert short.prompt_index.tolist() == [0, 1] and short.sampling_logprobs is None

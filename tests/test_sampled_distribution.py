@@ -11,6 +11,7 @@ import torch
 
 from helpers.tiny import AddTask, small_config
 from opd_exp.training.rollout import checkpoint_sampling_settings, generate
+from opd_exp.training.sampling import SamplingSpec
 from opd_exp.training.scoring import dropout_off, response_logits, student_logits, token_logprobs
 
 # What many instruct checkpoints ship (Qwen2.5-Instruct: repetition_penalty 1.05, top_k 20, ...)
@@ -41,7 +42,7 @@ PROMPTS = ["1+1=", "22+2=", "3+33=", "4+4="]
 
 def _trainer_logprobs(pair, batch, temperature, top_k, top_p):
     with torch.no_grad():
-        z = student_logits(pair.student, batch, pair.vocab_size, temperature=temperature, top_k=top_k, top_p=top_p)
+        z = student_logits(pair.student, batch, pair.vocab_size, SamplingSpec(temperature, top_k, top_p))
     return token_logprobs(z, batch.response_ids)
 
 
@@ -59,9 +60,7 @@ def test_a_checkpoints_generation_config_does_not_change_what_is_sampled(shippin
         PROMPTS,
         n_samples=2,
         max_new_tokens=8,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
+        sampling=SamplingSpec(temperature, top_k, top_p),
         vocab_size=pair.vocab_size,
         return_scores=True,
         row_seeds=seeds,

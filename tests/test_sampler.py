@@ -11,6 +11,7 @@ from helpers.tiny import AddTask, small_config
 from opd_exp.config.schema import RolloutEngine
 from opd_exp.training.rollout import generate, sampling_logits
 from opd_exp.training.sampler import LeanRollout, StaticDecoder, lean_generate
+from opd_exp.training.sampling import SamplingSpec
 from opd_exp.training.scoring import response_logits, student_logits, token_logprobs
 
 PROMPTS = ["1+2=", "34+5=", "7=", "12+"]
@@ -41,7 +42,7 @@ def test_row_seeded_draws_equal_generate_with_row_seeds(tiny_pair, temperature, 
     """Same per-row generators and Gumbel noise as ``RowKeyedSampler``: the same tokens."""
     model, tok, V = tiny_pair.teacher, tiny_pair.tokenizer, tiny_pair.vocab_size
     seeds = [11 * i + 3 for i in range(len(PROMPTS) * 3)]
-    kw = dict(n_samples=3, max_new_tokens=10, temperature=temperature, top_k=top_k, top_p=top_p, vocab_size=V, row_seeds=seeds)
+    kw = dict(n_samples=3, max_new_tokens=10, sampling=SamplingSpec(temperature, top_k, top_p), vocab_size=V, row_seeds=seeds)
     ours, ref = lean_generate(model, tok, PROMPTS, static=static, **kw), generate(model, tok, PROMPTS, **kw)
     _same_batch(ours, ref)
     assert int(ours.response_ids.max()) < V  # padded rows never sampled
@@ -52,10 +53,10 @@ def test_engine_logprobs_equal_the_trainers_recomputation(tiny_pair, temperature
     model, tok, V = tiny_pair.student.double(), tiny_pair.tokenizer, tiny_pair.vocab_size
     torch.manual_seed(0)
     batch = lean_generate(
-        model, tok, PROMPTS, n_samples=4, max_new_tokens=8, temperature=temperature, top_k=top_k, top_p=top_p, vocab_size=V
+        model, tok, PROMPTS, n_samples=4, max_new_tokens=8, sampling=SamplingSpec(temperature, top_k, top_p), vocab_size=V
     )
     with torch.no_grad():
-        ours = token_logprobs(student_logits(model, batch, V, temperature=temperature, top_k=top_k, top_p=top_p), batch.response_ids)
+        ours = token_logprobs(student_logits(model, batch, V, SamplingSpec(temperature, top_k, top_p)), batch.response_ids)
     m = batch.response_mask
     assert m.sum() > 20
     torch.testing.assert_close(batch.sampling_logprobs[m].double(), ours[m].double(), atol=1e-6, rtol=0)
@@ -97,7 +98,7 @@ def test_both_engines_sample_the_exact_distribution(tiny_pair, engine, temperatu
     model, tok, V = tiny_pair.teacher, tiny_pair.tokenizer, tiny_pair.vocab_size
     prompt, n = "3+4=", 6000
     torch.manual_seed(123)
-    kw = dict(n_samples=n, max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p, vocab_size=V)
+    kw = dict(n_samples=n, max_new_tokens=2, sampling=SamplingSpec(temperature, top_k, top_p), vocab_size=V)
     if engine == "hf":
         batch = generate(model, tok, [prompt], **kw)
     else:
@@ -187,7 +188,7 @@ def test_static_decoder_on_llama_equals_the_models_own_forward(tiny_pair, heads,
     assert StaticDecoder.covers(model)
     V = tiny_pair.vocab_size
     seeds = [5 * i + 1 for i in range(len(PROMPTS) * 2)]
-    kw = dict(n_samples=2, max_new_tokens=9, vocab_size=V, row_seeds=seeds, temperature=1.3)
+    kw = dict(n_samples=2, max_new_tokens=9, vocab_size=V, row_seeds=seeds, sampling=SamplingSpec(temperature=1.3))
     ours, ref = lean_generate(model, tok, PROMPTS, static=True, **kw), lean_generate(model, tok, PROMPTS, static=False, **kw)
     _same_batch(ours, ref)
     m = ours.response_mask
@@ -211,7 +212,7 @@ def test_half_precision_decodes_with_the_models_own_forward(tiny_pair, attn, pre
         model = model.to(torch.bfloat16 if precision == "bf16" else torch.float16)
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "autocast" else contextlib.nullcontext()
     seeds = [3 * i + 2 for i in range(len(PROMPTS) * 2)]
-    kw = dict(n_samples=2, max_new_tokens=12, vocab_size=V, row_seeds=seeds, temperature=1.3)
+    kw = dict(n_samples=2, max_new_tokens=12, vocab_size=V, row_seeds=seeds, sampling=SamplingSpec(temperature=1.3))
     with ctx:
         ours, ref = lean_generate(model, tok, PROMPTS, **kw), lean_generate(model, tok, PROMPTS, static=False, **kw)
     _same_batch(ours, ref)

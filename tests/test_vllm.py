@@ -20,6 +20,7 @@ from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.monitors import logprob_gap
 from opd_exp.training.rollout import sampling_logits
 from opd_exp.training.rollout_vllm import NEUTRAL_SAMPLING, PROCESSED, VllmRollout, require_vllm
+from opd_exp.training.sampling import SamplingSpec
 from opd_exp.training.scoring import student_logits, token_logprobs
 
 
@@ -94,16 +95,14 @@ def _engine(pair, mode, temperature=0.7, top_k=5, processed=None):
         eos_ids=eos_token_ids(pair.tokenizer),
         max_new_tokens=6,
         max_prompt_tokens=8,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=1.0,
+        sampling=SamplingSpec(temperature, top_k),
         processed=(mode == PROCESSED) if processed is None else processed,
         sampling_params=FakeSamplingParams,
     )
 
 
 def _trainer_logprobs(pair, batch, temperature=0.7, top_k=5):
-    z = student_logits(pair.student, batch, pair.vocab_size, temperature=temperature, top_k=top_k, top_p=1.0)
+    z = student_logits(pair.student, batch, pair.vocab_size, SamplingSpec(temperature, top_k))
     return token_logprobs(z, batch.response_ids)
 
 

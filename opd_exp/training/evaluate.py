@@ -20,6 +20,7 @@ from opd_exp.divergences import Divergence, get_divergence
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.monitors import metric_beta
 from opd_exp.training.rollout import Batch, HfRollout, RolloutEngine, decode_responses
+from opd_exp.training.sampling import SamplingSpec
 from opd_exp.training.scoring import TeacherScorer, entropy
 
 # opd-prepare checks models on short prompts of its own task: no cut needed
@@ -58,8 +59,8 @@ def evaluate_accuracy(
     """Greedy accuracy of a bare model (``opd-prepare``, benchmarks): an HF engine around it."""
     from types import SimpleNamespace
 
-    ro = SimpleNamespace(max_new_tokens=max_new_tokens, max_prompt_tokens=UNCAPPED_PROMPT_TOKENS, temperature=1.0, top_k=0, top_p=1.0)
-    engine = HfRollout(model, tokenizer, ro, vocab_size=len(tokenizer))
+    ro = SimpleNamespace(max_new_tokens=max_new_tokens, max_prompt_tokens=UNCAPPED_PROMPT_TOKENS)
+    engine = HfRollout(model, tokenizer, ro, vocab_size=len(tokenizer), sampling=SamplingSpec())
     return accuracy(engine, tokenizer, task, problems, batch_size, return_completions=return_completions)
 
 

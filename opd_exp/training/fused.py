@@ -13,7 +13,8 @@ chunk times V exists for either model.
 Exactness: the objective is a sum over response tokens (divided by the step's global count)
 and its metrics are sums, so a sum over chunks equals the whole. Per-token terms (token credit,
 teacher-sampled batches) are chunked over the flattened response positions; sequence credit
-couples a row's positions (returns sum its future), so it is chunked over whole rows.
+couples a row's positions (returns sum its future), and so do IW-OPD's weights (each reads its
+row's whole response: ``positions=iw_opd``), so those are chunked over whole rows.
 
 Covered: decoder-only HF models whose head is a plain ``Linear`` over the backbone's last
 hidden state (``model.base_model``), tied or untied, a head with more rows than the tokenizer
@@ -33,8 +34,9 @@ from opd_exp.divergences.full import default_chunk_size
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.evaluate import ENTROPY
 from opd_exp.training.monitors import Monitors, Tally
-from opd_exp.training.objective import Objective, Output, position_mask
-from opd_exp.training.rollout import Batch, sampling_logits
+from opd_exp.training.objective import Objective, Output
+from opd_exp.training.rollout import Batch
+from opd_exp.training.sampling import SamplingSpec
 from opd_exp.training.scoring import dropout_off, entropy
 
 # Below this vocabulary the [N, R, V] logits are small and the materialised path is faster
@@ -122,9 +124,7 @@ def fused_accumulate(
     batch: Batch,
     *,
     vocab_size: int,
-    temperature: float,
-    top_k: int,
-    top_p: float,
+    sampling: SamplingSpec,
     on_policy: bool,
     normalizer: float,
     chunk_positions: int | None = None,
@@ -140,11 +140,11 @@ def fused_accumulate(
     mask = batch.response_mask.bool()
     y = batch.response_ids
     positions = chunk_positions or 2 * default_chunk_size(vocab_size)  # ~64 MiB per [chunk, V] fp32 buffer
-    per_token = not on_policy or cfg.loss.credit.value == "token"
+    per_token = (not on_policy or cfg.loss.credit.value == "token") and not objective.positions.by_row
     head = student.get_output_embeddings()
     # which positions count in the loss is a property of each row's whole response: decided here,
     # before the rows are cut into chunks of positions
-    counted = position_mask(mask, cfg.loss.positions.value, cfg.loss.position_fraction)
+    counted = objective.positions.counted(mask)
 
     with autocast():
         h_student = response_hidden(student, batch)  # graph through the backbone kept for the last backward
@@ -165,10 +165,11 @@ def fused_accumulate(
         if check_teacher is not None:
             check_teacher(zt)
         with autocast():
-            zs = sampling_logits(lm_head_logits(hc, head, vocab_size), temperature, top_k, top_p)
+            zs = sampling.logits(lm_head_logits(hc, head, vocab_size))
         yc, mc = pick(y), pick(mask)
         lp_c = None if engine_lp is None else pick(engine_lp)
-        out = objective(zs, zt, yc, mc, on_policy=on_policy, normalizer=normalizer, counted=pick(counted))
+        reward = None if batch.reward_advantages is None else pick(batch.reward_advantages)  # reward.coef > 0
+        out = objective(zs, zt, yc, mc, on_policy=on_policy, normalizer=normalizer, counted=pick(counted), reward_advantages=reward)
         out.loss.backward()  # into head.weight.grad (and bias), and hc.grad
         if cols is not None:
             grad_h[rows, cols] += hc.grad.squeeze(0)
@@ -191,9 +192,7 @@ def fused_position_sums(
     with_entropy: bool = False,
     *,
     vocab_size: int,
-    temperature: float,
-    top_k: int,
-    top_p: float,
+    sampling: SamplingSpec,
     chunk_positions: int | None = None,
     autocast=contextlib.nullcontext,
 ) -> dict[str, float]:
@@ -210,7 +209,7 @@ def fused_position_sums(
     sums = dict.fromkeys([*divergences, *([ENTROPY] if with_entropy else [])], 0.0)
     for rows, cols in _chunks(mask, True, positions):
         with autocast():
-            zs = sampling_logits(lm_head_logits(h_student[rows, cols], head, vocab_size), temperature, top_k, top_p)
+            zs = sampling.logits(lm_head_logits(h_student[rows, cols], head, vocab_size))
         if h_teacher is not None:
             zt = teacher.chunk_logits(h_teacher[rows.to(h_teacher.device), cols.to(h_teacher.device)], mask.device)
             for name, d in divergences.items():
@@ -228,7 +227,7 @@ class FusedHead:
     def __init__(self, objective: Objective, monitors: Monitors, student, teacher: FusedTeacher, *, rollout, autocast):
         self.objective, self.monitors, self.student, self.teacher = objective, monitors, student, teacher
         self.vocab_size, self.autocast = teacher.vocab_size, autocast
-        self.sampling = dict(temperature=rollout.temperature, top_k=rollout.top_k, top_p=rollout.top_p)
+        self.sampling = SamplingSpec.from_rollout(rollout)
         self.chunk_positions = objective.cfg.estimator.chunk_size
 
     def accumulate(self, mbs: list[Batch], *, on_policy: bool, n_tokens: int, check_teacher) -> tuple[float, Tally]:
@@ -250,7 +249,7 @@ class FusedHead:
                 self.teacher,
                 batch,
                 vocab_size=self.vocab_size,
-                **self.sampling,
+                sampling=self.sampling,
                 on_policy=on_policy,
                 normalizer=normalizer,
                 chunk_positions=self.chunk_positions,
@@ -268,7 +267,7 @@ class FusedHead:
                 divergences,
                 with_entropy,
                 vocab_size=self.vocab_size,
-                **self.sampling,
+                sampling=self.sampling,
                 chunk_positions=self.chunk_positions,
                 autocast=self.autocast,
             )

@@ -22,6 +22,7 @@ from opd_exp.training.fused import build_fused_head
 from opd_exp.training.monitors import Monitors, Tally
 from opd_exp.training.objective import Objective
 from opd_exp.training.rollout import Batch
+from opd_exp.training.sampling import SamplingSpec
 from opd_exp.training.scoring import TeacherScorer, dropout_off, student_logits
 
 
@@ -42,12 +43,12 @@ class MaterialisedHead:
         self.objective, self.monitors, self.teacher_scorer = objective, monitors, teacher_scorer
         self.student, self.train_module, self.dist = student, train_module, dist
         self.vocab_size, self.autocast = vocab_size, autocast
-        self.sampling = dict(temperature=rollout.temperature, top_k=rollout.top_k, top_p=rollout.top_p)
+        self.sampling = SamplingSpec.from_rollout(rollout)
 
     def student_logits(self, module, batch: Batch) -> torch.Tensor:
         """The student's sampling-distribution logits ``[N, R, V]`` (with grad)."""
         with self.autocast():
-            return student_logits(module, batch, self.vocab_size, **self.sampling)
+            return student_logits(module, batch, self.vocab_size, self.sampling)
 
     def accumulate(self, mbs: list[Batch], *, on_policy: bool, n_tokens: int, check_teacher: Callable) -> tuple[float, Tally]:
         # every micro-batch's teacher scores asked for now (a served teacher scores micro-batch
@@ -71,7 +72,15 @@ class MaterialisedHead:
             with dropout_off(self.student):  # forward and backward: a recompute sees the same modes
                 with dist_util.no_sync(module, ds, last=last):
                     zs = self.student_logits(module, mb)
-                out = self.objective(zs, zt, mb.response_ids, mb.response_mask, on_policy=on_policy, normalizer=n_tokens)
+                out = self.objective(
+                    zs,
+                    zt,
+                    mb.response_ids,
+                    mb.response_mask,
+                    on_policy=on_policy,
+                    normalizer=n_tokens,
+                    reward_advantages=mb.reward_advantages,
+                )
                 with dist_util.no_sync(module, ds, last=last):
                     (out.loss * ds.world_size if ds.active else out.loss).backward()
             loss_total += float(out.loss.detach())

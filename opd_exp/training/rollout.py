@@ -5,15 +5,15 @@ token of every row and ``logits[:, i]`` (which predicts token i+1) lines up acro
 The response mask is positional: every token up to and including the first EOS counts,
 nothing after it does (masking by token id would let the student emit padding for free).
 
-The sampling distribution is ``sampling_logits``: logits / temperature, then top-k, then
-top-p (HF's order and rules). The trainer scores the student's tokens under this same
+The sampling distribution is a ``SamplingSpec`` (training/sampling.py): logits / temperature,
+then top-k, then top-p (HF's order and rules). The trainer scores the student's tokens under this same
 transform, so the log-probs in every REINFORCE/PPO term are those of the distribution the
 tokens were drawn from (tests compare them with generate's own processed scores).
 
 Nothing else touches it: transformers fills every generation setting a call leaves unset from
 the checkpoint's ``generation_config`` (repetition_penalty, no_repeat_ngram_size, min_p,
 bad_words_ids, do_sample, top_k=50, ...), which the trainer would not recompute. ``generate``
-runs with a blank generation config in place of the model's, applies ``sampling_logits``
+runs with a blank generation config in place of the model's, applies the ``SamplingSpec``
 itself (one logits processor), and greedy decoding is plain argmax. The log-prob of each
 sampled token under generate's processed scores is kept (``Batch.sampling_logprobs``) for the
 trainer's ``rollout/logprob_gap``.
@@ -29,30 +29,10 @@ from typing import Any
 
 import torch
 
-# Filtered-out entries get this logit instead of -inf: exp() still gives exactly 0, and
-# 0 * log-prob stays finite (no NaN) in the divergence code.
-FILTERED_LOGIT = -1e9
-
-
-def sampling_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """The logits of the distribution actually sampled from (fp32, or fp64 if given): tempered,
-    then filtered."""
-    z = logits if logits.dtype == torch.float64 else logits.float()
-    if temperature != 1.0:
-        z = z / temperature
-    if top_k > 0 and top_k < z.shape[-1]:
-        kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
-        z = z.masked_fill(z < kth, FILTERED_LOGIT)
-    if top_p < 1.0:
-        # HF TopPLogitsWarper: drop the lowest tokens whose cumulative mass is <= 1 - top_p,
-        # always keeping the most likely one.
-        sorted_z, order = torch.sort(z, dim=-1, descending=False)
-        cum = sorted_z.softmax(dim=-1).cumsum(dim=-1)
-        drop_sorted = cum <= (1.0 - top_p)
-        drop_sorted[..., -1] = False
-        drop = drop_sorted.scatter(-1, order, drop_sorted)
-        z = z.masked_fill(drop, FILTERED_LOGIT)
-    return z
+# FILTERED_LOGIT and sampling_logits: imported from here as well as from training/sampling.py
+from opd_exp.training.sampling import FILTERED_LOGIT as FILTERED_LOGIT
+from opd_exp.training.sampling import SamplingSpec
+from opd_exp.training.sampling import sampling_logits as sampling_logits
 
 
 class _VocabLimit:
@@ -69,15 +49,15 @@ class _VocabLimit:
 
 
 class _SamplingTransform:
-    """Logits processor: ``sampling_logits`` on the tokenizer's ids, nothing on the padded rows
+    """Logits processor: the ``SamplingSpec`` on the tokenizer's ids, nothing on the padded rows
     (the only transform between the model's logits and generate's multinomial draw)."""
 
-    def __init__(self, vocab_size: int | None, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
-        self.vocab_size, self.temperature, self.top_k, self.top_p = vocab_size, temperature, top_k, top_p
+    def __init__(self, vocab_size: int | None, sampling: SamplingSpec = SamplingSpec()):
+        self.vocab_size, self.sampling = vocab_size, sampling
 
     def __call__(self, input_ids, scores):
         V = min(self.vocab_size or scores.shape[-1], scores.shape[-1])
-        z = sampling_logits(scores[:, :V], self.temperature, self.top_k, self.top_p)
+        z = self.sampling.logits(scores[:, :V])
         if scores.shape[-1] == V:
             return z
         out = torch.full(scores.shape, float("-inf"), dtype=z.dtype, device=z.device)
@@ -114,21 +94,21 @@ class _SampledLogprobs:
 
 
 class RowKeyedSampler:
-    """Logits processor that samples each row from its own generator (Gumbel-max over
-    ``sampling_logits``) and hands generate a one-hot choice (run with ``do_sample=False``).
+    """Logits processor that samples each row from its own generator (Gumbel-max over the
+    ``SamplingSpec``'s logits) and hands generate a one-hot choice (run with ``do_sample=False``).
 
     Row i's tokens depend only on ``seeds[i]`` and its own logits, never on which other rows
     share the batch: a global batch split across ranks samples the same tokens as one process
     (up to float-level ties between logits computed at different batch shapes)."""
 
-    def __init__(self, seeds: Sequence[int], device, vocab_size: int, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0):
+    def __init__(self, seeds: Sequence[int], device, vocab_size: int, sampling: SamplingSpec = SamplingSpec()):
         self.gens = [torch.Generator(device=device).manual_seed(int(s) % (2**63)) for s in seeds]
-        self.vocab_size, self.temperature, self.top_k, self.top_p = vocab_size, temperature, top_k, top_p
+        self.vocab_size, self.sampling = vocab_size, sampling
         self.columns: list[torch.Tensor] = []  # [N] log-prob of each step's draw under softmax(z)
 
     def __call__(self, input_ids, scores):
         V = self.vocab_size
-        z = sampling_logits(scores[:, :V], self.temperature, self.top_k, self.top_p)
+        z = self.sampling.logits(scores[:, :V])
         u = torch.stack([torch.rand(V, generator=g, device=z.device) for g in self.gens])
         gumbel = -torch.log(-torch.log(u.clamp(min=1e-20, max=1.0 - 1e-7)))
         choice = (z + gumbel).argmax(-1, keepdim=True)  # a draw from softmax(z)
@@ -152,8 +132,46 @@ class Batch:
     # generate's processed scores; vLLM: its processed log-probs; None for greedy batches):
     # compared with the trainer's (rollout/logprob_gap), never trained on
     sampling_logprobs: torch.Tensor | None = None
+    # [N, R] the reward's advantage of each row on its response positions (reward.coef > 0,
+    # training/reward.py), added to the distillation advantage; None without a reward
+    reward_advantages: torch.Tensor | None = None
     # [N] which teacher scores each row (teachers.map, training/routing.py); None: the one teacher
     route: torch.Tensor | None = None
+
+    @classmethod
+    def from_responses(
+        cls,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        response: torch.Tensor,
+        eos_ids: Sequence[int],
+        *,
+        n_samples: int = 1,
+        source: str = "student",
+        sampling_logprobs: torch.Tensor | None = None,
+        lengths: torch.Tensor | None = None,
+    ) -> Batch:
+        """The layout every engine hands the trainer, from left-padded prompts ``[N, P]`` (ids and
+        mask), the sampled ``response`` ids ``[N, R]`` (pad after a row's end) and the EOS ids;
+        rows prompt-major, ``n_samples`` per prompt. ``lengths`` [N]: how many tokens each row
+        sampled (an engine whose rows stop early; an empty response counts no token).
+        ``sampling_logprobs`` [N, R]: the engine's log-probs of its samples, kept on the response
+        mask (0 elsewhere: after a row's end no sample was drawn)."""
+        device = response.device
+        response_mask = response_mask_from_ids(response, eos_ids)
+        if lengths is not None:
+            response_mask &= torch.arange(response.shape[1], device=device)[None, :] < lengths.to(device)[:, None]
+        full_mask = torch.cat([prompt_mask.to(device), torch.ones_like(response)], dim=1)
+        return cls(
+            input_ids=torch.cat([prompt_ids.to(device), response], dim=1),
+            attention_mask=full_mask,
+            position_ids=positions_from_mask(full_mask),
+            prompt_len=prompt_ids.shape[1],
+            response_mask=response_mask,
+            prompt_index=torch.arange(response.shape[0] // n_samples, device=device).repeat_interleave(n_samples),
+            source=source,
+            sampling_logprobs=None if sampling_logprobs is None else sampling_logprobs.masked_fill(~response_mask, 0.0),
+        )
 
     @property
     def response_ids(self) -> torch.Tensor:
@@ -181,6 +199,7 @@ class Batch:
                 response_mask=self.response_mask[sl],
                 prompt_index=self.prompt_index[sl],
                 sampling_logprobs=None if self.sampling_logprobs is None else self.sampling_logprobs[sl],
+                reward_advantages=None if self.reward_advantages is None else self.reward_advantages[sl],
                 route=None if self.route is None else self.route[sl],
             )
 
@@ -193,6 +212,7 @@ class Batch:
             response_mask=self.response_mask.to(device),
             prompt_index=self.prompt_index.to(device),
             sampling_logprobs=None if self.sampling_logprobs is None else self.sampling_logprobs.to(device),
+            reward_advantages=None if self.reward_advantages is None else self.reward_advantages.to(device),
             route=None if self.route is None else self.route.to(device),
         )
 
@@ -343,9 +363,7 @@ def generate(
     max_new_tokens: int = 32,
     max_prompt_tokens: int = 256,
     do_sample: bool = True,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    sampling: SamplingSpec = SamplingSpec(),
     source: str = "student",
     vocab_size: int | None = None,
     return_scores: bool = False,
@@ -358,10 +376,10 @@ def generate(
     from the other model) are never sampled; the trainer slices logits to the same size.
     ``row_seeds`` (one per row, rows = len(prompts) * n_samples): sample each row from its own
     generator (``RowKeyedSampler``) instead of torch's global RNG; the distribution is the same
-    ``sampling_logits``. ``synced_gpus``: keep every rank stepping until all ranks finish
+    ``sampling``. ``synced_gpus``: keep every rank stepping until all ranks finish
     (FSDP: each forward is a collective).
     Whatever the model's ``generation_config`` sets is ignored (``blank_generation_config``):
-    sampling draws from exactly ``sampling_logits``, greedy is plain argmax.
+    sampling draws from exactly ``sampling``'s logits, greedy is plain argmax.
     Returns a ``Batch`` (and, with ``return_scores``, generate's processed scores
     ``[N, R, V]``, for tests only: they cost N*R*V floats).
     """
@@ -390,12 +408,12 @@ def generate(
         if len(row_seeds) != ids.shape[0]:
             raise ValueError(f"row_seeds has {len(row_seeds)} seeds for {ids.shape[0]} rows")
         V = vocab_size or model.get_output_embeddings().weight.shape[0]
-        recorder = RowKeyedSampler(row_seeds, device, V, temperature, top_k, top_p)
+        recorder = RowKeyedSampler(row_seeds, device, V, sampling)
         processors = [recorder]
         kwargs["do_sample"] = False  # the processor has drawn the token: generate takes the argmax
     elif do_sample:
         recorder = _SampledLogprobs()
-        processors = [_SamplingTransform(vocab_size, temperature, top_k, top_p), recorder]
+        processors = [_SamplingTransform(vocab_size, sampling), recorder]
     else:  # greedy: argmax of the model's logits on the tokenizer's ids (no filter changes it)
         processors = [_VocabLimit(vocab_size)] if vocab_size else []
     if not kwargs["do_sample"]:  # sampling-only flags: transformers warns when they are set for argmax
@@ -415,24 +433,13 @@ def generate(
         )
     model.train(was_training)
     seq = out.sequences
-    P = ids.shape[1]
-    response = seq[:, P:]
-    full_mask = torch.cat([mask.to(device), torch.ones_like(response)], dim=1)
+    response = seq[:, ids.shape[1] :]
     sampled_lp = None
     if isinstance(recorder, _SampledLogprobs):
         sampled_lp = recorder.finish(seq, response.shape[1])
     elif recorder is not None:
         sampled_lp = torch.stack(recorder.columns[: response.shape[1]], dim=1).float()
-    batch = Batch(
-        input_ids=seq,
-        attention_mask=full_mask,
-        position_ids=positions_from_mask(full_mask),
-        prompt_len=P,
-        response_mask=response_mask_from_ids(response, eos),
-        prompt_index=torch.arange(len(prompts), device=device).repeat_interleave(n_samples),
-        source=source,
-        sampling_logprobs=sampled_lp,
-    )
+    batch = Batch.from_responses(ids, mask, response, eos, n_samples=n_samples, source=source, sampling_logprobs=sampled_lp)
     if return_scores:
         return batch, torch.stack(out.scores, dim=1)
     return batch
@@ -468,7 +475,9 @@ class RolloutEngine(abc.ABC):
 
 
 class HfRollout(RolloutEngine):
-    """In-process sampling with Hugging Face ``generate`` over the trainer's own module."""
+    """In-process sampling with Hugging Face ``generate`` over the trainer's own module.
+    ``rollout_cfg``: the lengths (``max_new_tokens``, ``max_prompt_tokens``) and, unless
+    ``sampling`` is given, the sampling settings."""
 
     def __init__(
         self,
@@ -480,8 +489,10 @@ class HfRollout(RolloutEngine):
         source: str = "student",
         autocast=contextlib.nullcontext,
         synced_gpus: bool = False,
+        sampling: SamplingSpec | None = None,
     ):
         self.model, self.tokenizer, self.cfg, self.vocab_size = model, tokenizer, rollout_cfg, vocab_size
+        self.sampling = sampling or SamplingSpec.from_rollout(rollout_cfg)
         self.source, self.autocast, self.synced_gpus = source, autocast, synced_gpus
 
     def generate(self, prompts, seeds=None, *, n_samples=1, greedy=False) -> Batch:
@@ -493,9 +504,7 @@ class HfRollout(RolloutEngine):
                 do_sample=not greedy,
                 max_new_tokens=ro.max_new_tokens,
                 max_prompt_tokens=ro.max_prompt_tokens,
-                temperature=ro.temperature,
-                top_k=ro.top_k,
-                top_p=ro.top_p,
+                sampling=self.sampling,
                 source=self.source,
                 vocab_size=self.vocab_size,
                 row_seeds=None if greedy else seeds,

@@ -24,7 +24,7 @@ before temperature, top-k and top-p, not those of the distribution the token was
 We handle it twice over:
 
 1. the loss never uses the engine's numbers: the trainer recomputes the student's log-probs
-   of the sampled tokens under its own sampling transform (``rollout.sampling_logits``:
+   of the sampled tokens under its own sampling transform (``SamplingSpec.logits``:
    logits / temperature, then top-k, then top-p), as it does for HF rollouts;
 2. the engine is started with ``logprobs_mode="processed_logprobs"`` (vLLM >= 0.10.2): the
    log softmax, in fp32, of the logits after temperature, top-k and top-p, i.e. of the
@@ -38,7 +38,7 @@ The model's generation_config: vLLM can read a checkpoint's ``generation_config.
 default sampling settings (repetition_penalty, min_p, ...). The engine is started with
 ``generation_config="vllm"`` (vLLM's own neutral defaults) and every request spells out the
 neutral value of each setting that would change the distribution (``NEUTRAL_SAMPLING``), so
-the engine samples exactly ``sampling_logits``; greedy evaluation is temperature 0.
+the engine samples exactly the ``SamplingSpec``; greedy evaluation is temperature 0.
 
 Row seeds: each request carries ``SamplingParams(seed=...)`` from (seed, step, global row), so
 a resumed run samples the tokens the uninterrupted run sampled (same vLLM build and kernels).
@@ -64,14 +64,8 @@ from typing import Any
 import torch
 
 from opd_exp.runtime.errors import ConfigError
-from opd_exp.training.rollout import (
-    Batch,
-    RolloutEngine,
-    encode_prompts,
-    eos_token_ids,
-    positions_from_mask,
-    response_mask_from_ids,
-)
+from opd_exp.training.rollout import Batch, RolloutEngine, encode_prompts, eos_token_ids
+from opd_exp.training.sampling import SamplingSpec
 
 PROCESSED = "processed_logprobs"
 # SamplingParams settings that would reshape the distribution, at their neutral values
@@ -166,9 +160,7 @@ class VllmRollout(RolloutEngine):
         eos_ids: Sequence[int],
         max_new_tokens: int,
         max_prompt_tokens: int,
-        temperature: float,
-        top_k: int,
-        top_p: float,
+        sampling: SamplingSpec,
         processed: bool,
         sampling_params: Callable[..., Any] | None = None,
         model_vocab: int | None = None,
@@ -176,7 +168,7 @@ class VllmRollout(RolloutEngine):
         self.llm, self.tokenizer = llm, tokenizer
         self.vocab_size, self.eos_ids = vocab_size, list(eos_ids)
         self.max_new_tokens, self.max_prompt_tokens = max_new_tokens, max_prompt_tokens
-        self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
+        self.sampling = sampling
         self.processed = processed  # the engine reports log-probs of the sampled distribution
         self.model_vocab = model_vocab
         self.sampling_params = sampling_params or self.sampling_params_class()
@@ -247,9 +239,7 @@ class VllmRollout(RolloutEngine):
             eos_ids=eos_token_ids(tokenizer, student),
             max_new_tokens=ro.max_new_tokens,
             max_prompt_tokens=ro.max_prompt_tokens,
-            temperature=ro.temperature,
-            top_k=ro.top_k,
-            top_p=ro.top_p,
+            sampling=SamplingSpec.from_rollout(ro),
             processed=processed,
             model_vocab=model_vocab,
         )
@@ -281,9 +271,9 @@ class VllmRollout(RolloutEngine):
         kw = dict(
             NEUTRAL_SAMPLING,
             n=1,
-            temperature=0.0 if greedy else self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k if self.top_k > 0 else -1,
+            temperature=0.0 if greedy else self.sampling.temperature,
+            top_p=self.sampling.top_p,
+            top_k=self.sampling.top_k if self.sampling.top_k > 0 else -1,
             max_tokens=self.max_new_tokens,
             logprobs=0,
             seed=int(seed) % (2**31 - 1),
@@ -321,7 +311,7 @@ class VllmRollout(RolloutEngine):
                 row_lp.append(float(getattr(lp, "logprob", lp)))
             lps.append(row_lp)
         R = max(1, max(len(r) for r in resp))
-        N, P = len(prompts), ids.shape[1]
+        N = len(prompts)
         response = torch.full((N, R), self.pad, dtype=torch.long)
         logprobs = torch.zeros((N, R), dtype=torch.float32)
         for i, (r, lp) in enumerate(zip(resp, lps)):
@@ -329,17 +319,13 @@ class VllmRollout(RolloutEngine):
                 response[i, : len(r)] = torch.tensor(r, dtype=torch.long)
             if lp:
                 logprobs[i, : len(lp)] = torch.tensor(lp)
-        rmask = response_mask_from_ids(response, self.eos_ids)
-        lengths = torch.tensor([len(r) for r in resp])
-        rmask &= torch.arange(R)[None, :] < lengths[:, None]  # an empty response has no tokens
-        full_mask = torch.cat([mask, torch.ones_like(response)], dim=1)
-        return Batch(
-            input_ids=torch.cat([ids, response], dim=1),
-            attention_mask=full_mask,
-            position_ids=positions_from_mask(full_mask),
-            prompt_len=P,
-            response_mask=rmask,
-            prompt_index=torch.arange(N),
+        return Batch.from_responses(
+            ids,
+            mask,
+            response,
+            self.eos_ids,
+            n_samples=n_samples,
             source=self.source,
             sampling_logprobs=logprobs if self.processed else None,
+            lengths=torch.tensor([len(r) for r in resp]),
         )

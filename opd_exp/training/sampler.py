@@ -3,8 +3,8 @@
 ``generate`` runs a stack of per-token machinery (logits processors, stopping criteria,
 stream and cache bookkeeping, ``torch.multinomial``) that costs about as much as the model
 forwards at the embedded size. This loop does only what a rollout needs: one prefill forward,
-then one forward per token over the cache, a draw from exactly ``sampling_logits`` (temperature,
-then top-k, then top-p), and a stop once every row has emitted an EOS.
+then one forward per token over the cache, a draw from exactly the ``SamplingSpec``'s logits
+(temperature, then top-k, then top-p), and a stop once every row has emitted an EOS.
 
 Draws are Gumbel-max over the processed logits: argmax(z + G), G = -log(-log U), is a draw
 from softmax(z), and filtered entries (``FILTERED_LOGIT``) are never chosen. With row seeds,
@@ -26,15 +26,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from opd_exp.training.rollout import (
-    Batch,
-    HfRollout,
-    encode_prompts,
-    eos_token_ids,
-    positions_from_mask,
-    response_mask_from_ids,
-    sampling_logits,
-)
+from opd_exp.training.rollout import Batch, HfRollout, encode_prompts, eos_token_ids, positions_from_mask
+from opd_exp.training.sampling import SamplingSpec
 
 
 def gumbel_noise(shape: tuple[int, int], generators: Sequence[torch.Generator] | None, device) -> torch.Tensor:
@@ -186,9 +179,7 @@ def lean_generate(
     max_new_tokens: int = 32,
     max_prompt_tokens: int = 256,
     do_sample: bool = True,
-    temperature: float = 1.0,
-    top_k: int = 0,
-    top_p: float = 1.0,
+    sampling: SamplingSpec = SamplingSpec(),
     source: str = "student",
     vocab_size: int | None = None,
     row_seeds: Sequence[int] | None = None,
@@ -200,7 +191,7 @@ def lean_generate(
     Arguments as ``rollout.generate``. Greedy (``do_sample=False``) takes the argmax of the raw
     logits over the first ``vocab_size`` ids, as ``generate`` does. ``min_new_tokens``: EOS is
     not allowed before that many tokens (benchmarks use it to fix the response length; the
-    distribution is then no longer ``sampling_logits``, so the trainer never sets it).
+    distribution is then no longer ``sampling``'s, so the trainer never sets it).
     ``static``: decode with ``StaticDecoder`` (None: where it covers the model; False: the
     model's own forward over its cache every token)."""
     device = next(model.parameters()).device
@@ -209,7 +200,7 @@ def lean_generate(
         ids = ids.repeat_interleave(n_samples, 0)
         mask = mask.repeat_interleave(n_samples, 0)
     ids, mask = ids.to(device), mask.to(device)
-    N, P = ids.shape
+    N = ids.shape[0]
     eos = eos_token_ids(tokenizer, model)
     eos_t = torch.tensor(eos, device=device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
@@ -241,7 +232,7 @@ def lean_generate(
             if i < min_new_tokens:
                 raw = raw.float().index_fill(-1, eos_t, float("-inf"))
             if do_sample:
-                z = sampling_logits(raw, temperature, top_k, top_p)
+                z = sampling.logits(raw)
                 nxt = (z + gumbel_noise((N, V), gens, device)).argmax(-1)
                 logprobs.append(z.gather(-1, nxt[:, None]).squeeze(-1) - torch.logsumexp(z, -1))
             else:
@@ -262,19 +253,8 @@ def lean_generate(
     finally:
         model.train(was_training)
 
-    response = torch.stack(tokens, dim=1)
-    full_mask = torch.cat([mask, torch.ones_like(response)], dim=1)
-    response_mask = response_mask_from_ids(response, eos)
-    return Batch(
-        input_ids=torch.cat([ids, response], dim=1),
-        attention_mask=full_mask,
-        position_ids=positions_from_mask(full_mask),
-        prompt_len=P,
-        response_mask=response_mask,
-        prompt_index=torch.arange(len(prompts), device=device).repeat_interleave(n_samples),
-        source=source,
-        sampling_logprobs=torch.stack(logprobs, dim=1).masked_fill(~response_mask, 0.0) if do_sample else None,
-    )
+    response, sampled_lp = torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1) if do_sample else None
+    return Batch.from_responses(ids, mask, response, eos, n_samples=n_samples, source=source, sampling_logprobs=sampled_lp)
 
 
 class LeanRollout(HfRollout):

@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from opd_exp.training.rollout import Batch, sampling_logits
+from opd_exp.training.rollout import Batch
+from opd_exp.training.sampling import SamplingSpec
 
 
 def response_logits(model, batch: Batch, vocab_size: int) -> torch.Tensor:
@@ -42,9 +43,9 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return logits.gather(-1, ids.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
-def student_logits(model, batch: Batch, vocab_size: int, *, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+def student_logits(model, batch: Batch, vocab_size: int, sampling: SamplingSpec) -> torch.Tensor:
     """The student's sampling-distribution logits (tempered + filtered, fp32), with grad."""
-    return sampling_logits(response_logits(model, batch, vocab_size), temperature, top_k, top_p)
+    return sampling.logits(response_logits(model, batch, vocab_size))
 
 
 @torch.no_grad()
