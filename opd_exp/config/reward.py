@@ -65,6 +65,14 @@ def validate_reward(cfg) -> None:
         )
     if rw.std_normalize and rw.baseline is RewardBaseline.none:
         _fail("reward.std_normalize", True, "false with reward.baseline=none (the std is taken over a prompt's group)")
+    positions = getattr(cfg, "positions", None)
+    if positions is not None and positions.name.value == "first_n":
+        _fail(
+            "positions.name",
+            "first_n",
+            f"all, first, last, iw_opd or entropy_gate with reward.coef={rw.coef!r} (first_n stops the rollouts early: "
+            "the verifier would score cut responses)",
+        )
     if ro.on_policy_fraction < 1.0:
         _fail(
             "rollout.on_policy_fraction",

@@ -20,6 +20,10 @@ Teacher-sampled batches (on_policy_fraction < 1): the samples are not from the s
 sampled-token costs would be biased; they always use the exact full-vocab loss
 kl_coef * D_t (GKD's choice), whatever the estimator.
 
+Reward (``reward.coef > 0``, student-sampled batches only): ``reward_advantages`` [N, R] is
+added to the advantages, its loss term -A_r log S(y_t) on the counted positions, after the
+position weights (for ppo: inside the surrogate at ratio 1); ``training/reward.py``.
+
 Filtered sampling (rollout.top_k / top_p): every value (metrics, sequence-credit returns)
 adds the exact filtered-mass term F (``divergences.filtered``), which a sampled token cannot
 see; a sampled token the trainer's distribution gives probability 0 (engine numerics at the
@@ -54,6 +58,7 @@ from opd_exp.divergences import (
 )
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.monitors import OUTSIDE, exact_divergences, metric_beta, step_monitors, token_metric_names
+from opd_exp.training.reward import with_reward
 from opd_exp.training.scoring import TeacherScores, token_logprobs
 
 __all__ = ["Objective", "Output", "metric_beta", "position_mask", "ppo_surrogate"]
@@ -156,6 +161,7 @@ class Objective:
         on_policy: bool,
         normalizer: float,
         counted: torch.Tensor | None = None,
+        reward_advantages: torch.Tensor | None = None,
     ) -> Output:
         """``counted``: the positions the loss counts, ``position_mask`` of the rows' whole response
         masks (a caller that passes a chunk of positions from several rows computes it per row
@@ -194,6 +200,8 @@ class Objective:
         if counted is None:
             counted = position_mask(mask, cfg.loss.positions.value, cfg.loss.position_fraction)
         counted = counted.bool() & m
+        if reward_advantages is not None and on_policy:  # reward.coef > 0, after the position weights (training/reward.py)
+            per_token, advantages = with_reward(per_token, advantages, reward_advantages, s, ppo=cfg.loss.name is LossName.ppo)
         loss = torch.where(counted, per_token, zero).sum() / max(float(normalizer), 1.0)
 
         with torch.no_grad():

@@ -54,6 +54,7 @@ def select_rows(batch: Batch, rows: torch.Tensor) -> Batch:
         response_mask=batch.response_mask[rows],
         prompt_index=batch.prompt_index[rows],
         sampling_logprobs=None if batch.sampling_logprobs is None else batch.sampling_logprobs[rows],
+        reward_advantages=None if batch.reward_advantages is None else batch.reward_advantages[rows],
         route=None if batch.route is None else batch.route[rows],
     )
 
@@ -166,7 +167,15 @@ class PpoUpdates:
                     raise NonFinite(f"teacher log-probs are not finite at step {step} ({bad} teacher logits)")
                 with torch.no_grad(), dropout_off(self.student):
                     zs = self.student_logits(mb)
-                    out = self.objective(zs, scores, mb.response_ids, mb.response_mask, on_policy=True, normalizer=n_tokens)
+                    out = self.objective(
+                        zs,
+                        scores,
+                        mb.response_ids,
+                        mb.response_mask,
+                        on_policy=True,
+                        normalizer=n_tokens,
+                        reward_advantages=mb.reward_advantages,
+                    )
                 tally.add(out)
                 tally.add(self.monitors(zs, scores, out, engine_logprobs=mb.sampling_logprobs))
                 pieces.append(Piece(mb, out.logprobs, out.advantages, out.counted))

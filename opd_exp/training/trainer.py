@@ -55,6 +55,7 @@ from opd_exp.training.monitors import Tally
 from opd_exp.training.objective import Objective
 from opd_exp.training.ppo import PpoUpdates
 from opd_exp.training.report import run_sinks, summary, summary_line
+from opd_exp.training.reward import RewardTerm
 from opd_exp.training.rollout import Draw, count_truncated, warn_ignored_generation_settings
 from opd_exp.training.schedule import LrSchedule
 from opd_exp.training.state import DataCursor, TrainState
@@ -80,7 +81,7 @@ class Trainer:
         require_extras(cfg)
         torch.manual_seed(cfg.seed)
         self.task, self.tokenizer, self.vocab_size = task, pair.tokenizer, int(pair.vocab_size)
-        self.train_problems = list(task.train_problems())
+        self.train_problems, self.reward = list(task.train_problems()), RewardTerm(cfg, task, pair.tokenizer, self.dist)  # reward.*
         eval_set = eval_problems(cfg, self.train_problems, list(task.eval_problems()))  # checked: one line
         self.student = prec.prepare_student(pair.student, sc, self.device)  # dtype, grad ckpt, LoRA
         teacher_device = prec.teacher_device(sc, self.device)
@@ -198,8 +199,7 @@ class Trainer:
         return frac >= 1.0 or (frac > 0.0 and random.Random(self.cfg.seed * 7919 + step).random() < frac)
 
     def sample(self, step: int):
-        """The step's prompts and responses (re-seeded from (seed, step): resume-exact): this
-        rank's rows of the global batch, drawn as ``Draw`` says (the engine is whichever it is)."""
+        """This rank's rows of the step's global batch as ``Draw`` says (re-seeded from (seed, step): resume-exact), any engine."""
         cfg, n = self.cfg, self.cfg.rollout.n_samples
         torch.manual_seed((cfg.seed * 1_000_003 + step + 1) % (2**63))
         problems = [self.train_problems[i] for i in self.state.cursor.next(cfg.trainer.batch_size)]
@@ -211,7 +211,8 @@ class Trainer:
             engine.sync(self.student, version=step)  # after every update: the engine samples this student
         draw = Draw.for_step(cfg.seed, step, len(prompts) * n, self.dist)
         batch = engine.generate([prompts[r // n] for r in draw.rows], draw.seeds)
-        return self.teachers.route(problems, dataclasses.replace(batch, prompt_index=torch.tensor(draw.rows) // n)).to(self.device)
+        batch = self.teachers.route(problems, dataclasses.replace(batch, prompt_index=torch.tensor(draw.rows) // n)).to(self.device)
+        return self.reward(batch, problems)  # reward.coef > 0: each row's reward advantage attached
 
     def accumulate(self, batch, n_tokens: int | None = None) -> tuple[float, Tally]:
         """Forward/backward over micro-batches through the LM head (``training/heads.py``);
@@ -266,7 +267,7 @@ class Trainer:
             self.scheduler.step()
         self.state.step += 1
         dt = time.perf_counter() - t0
-        metrics = self.teachers.metrics(tally, n_global)  # with teachers.map: teacher/<name>/* too
+        metrics = {**self.teachers.metrics(tally, n_global), **self.reward.metrics}  # teacher/<name>/* (teachers.map), reward/*
         if line := self.monitors.gap_warning(metrics, step):
             self.warn(line)
         metrics.update(
