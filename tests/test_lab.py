@@ -105,9 +105,9 @@ def test_objective_counts_only_the_chosen_positions():
     from opd_exp.config.world import ModelPairConfig
     from opd_exp.training.objective import Objective
 
-    def cfg(**loss):
+    def cfg(**positions):
         base = OmegaConf.structured(TrainConfig(model_pair=ModelPairConfig(), task=TaskConfig()))
-        return OmegaConf.to_object(OmegaConf.merge(base, {"loss": loss}))
+        return OmegaConf.to_object(OmegaConf.merge(base, {"positions": positions}))
 
     g = torch.Generator().manual_seed(0)
     zs, zt = torch.randn(2, 10, 7, generator=g), torch.randn(2, 10, 7, generator=g)
@@ -116,14 +116,15 @@ def test_objective_counts_only_the_chosen_positions():
     mask[0, :10], mask[1, :4] = True, True
     per_pos = get_divergence("fkl").full(zs, zt)  # the default: fkl, full, direct, kl_coef 1
     out_all = Objective(cfg())(zs, zt, y, mask, on_policy=True, normalizer=14)
-    out_first = Objective(cfg(positions="first", position_fraction=0.3))(zs, zt, y, mask, on_policy=True, normalizer=14)
-    out_last = Objective(cfg(positions="last", position_fraction=0.5))(zs, zt, y, mask, on_policy=True, normalizer=14)
+    out_first = Objective(cfg(name="first", fraction=0.3))(zs, zt, y, mask, on_policy=True, normalizer=14)
+    out_last = Objective(cfg(name="last", fraction=0.5))(zs, zt, y, mask, on_policy=True, normalizer=14)
     torch.testing.assert_close(out_all.loss, per_pos[mask].sum() / 14)
     torch.testing.assert_close(out_first.loss, (per_pos[0, :3].sum() + per_pos[1, :2].sum()) / 14)
     torch.testing.assert_close(out_last.loss, (per_pos[0, 5:].sum() + per_pos[1, 2:4].sum()) / 14)
-    assert out_first.sums == out_all.sums  # metrics still cover every response token
-    with pytest.raises(ConfigError, match=r"loss.position_fraction=0.0 is not allowed; allowed: 0 < position_fraction <= 1"):
-        cfg(positions="first", position_fraction=0)
+    # metrics still cover every response token (and say which share of them the loss counted)
+    assert out_first.sums == {**out_all.sums, "positions/weight_mean": 5.0}
+    with pytest.raises(ConfigError, match=r"positions.fraction=0.0 is not allowed; allowed: 0 < fraction <= 1"):
+        cfg(name="first", fraction=0)
 
 
 # --- k-sample eval metrics --------------------------------------------------------------

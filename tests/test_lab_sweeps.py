@@ -49,7 +49,7 @@ def test_lab_sweeps_pick_what_their_claims_need():
     assert _params("lab_token_fraction")["variant"] == ["positions_all", "positions_first", "positions_last"]
     for where in ("all", "first", "last"):
         hc, cfg = compose_job(["sweep=lab_token_fraction", f"variant=positions_{where}", "seed=1"], job_num=4)
-        assert (cfg.loss.positions.value, cfg.loss.position_fraction, hc.sweep.subdir) == (where, 0.3, f"4_positions_{where}_seed1")
+        assert (cfg.positions.name.value, cfg.positions.fraction, hc.sweep.subdir) == (where, 0.3, f"4_positions_{where}_seed1")
 
 
 TINY = [

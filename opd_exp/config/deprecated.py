@@ -41,6 +41,10 @@ RENAMED: dict[str, str] = {
             "lora_target_modules",
         )
     },
+    # the positions group (opd_exp/config/positions.py): loss.positions=first sets positions.name,
+    # the same as choosing positions=first (its group files set only the name)
+    "loss.positions": "positions.name",
+    "loss.position_fraction": "positions.fraction",
 }
 
 REMOVED_IN = "0.2"  # the release after this one (pyproject: 0.1.0)

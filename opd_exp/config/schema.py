@@ -15,6 +15,7 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from opd_exp.config.positions import PositionsConfig, validate_positions
 from opd_exp.config.reward import RewardConfig, validate_reward
 from opd_exp.config.teachers import TeachersConfig, validate_teachers
 from opd_exp.runtime.errors import ConfigError
@@ -113,12 +114,6 @@ class Credit(Enum):
     # gradient of E_S[sum_t D_t] (future values added to the return); this is the
     # whole-sequence divergence only for rkl (KL has a chain rule, the others do not)
     sequence = "sequence"
-
-
-class Positions(Enum):
-    all = "all"  # every response token counts in the loss
-    first = "first"  # only each response's first position_fraction of tokens
-    last = "last"  # only each response's last position_fraction of tokens
 
 
 class Schedule(Enum):
@@ -252,11 +247,6 @@ class LossConfig:
     ppo_epochs: int = 1
     # optimizer steps per PPO pass, each on a disjoint share of the rollout's rows (docs/training.md)
     ppo_mini_batches: int = 1
-    # which response positions count in the loss: all | first | last (ceil(position_fraction *
-    # length) tokens of each response); metrics and the normaliser still cover every token
-    positions: Positions = Positions.all
-    # share of each response's tokens that count with positions=first|last, in (0, 1]
-    position_fraction: float = 0.3
 
     def __post_init__(self) -> None:
         _check(_finite(self.kl_coef) and self.kl_coef >= 0, "loss.kl_coef", self.kl_coef, "> 0, or 0 with reward.coef > 0 (reward-only RL)")
@@ -268,12 +258,6 @@ class LossConfig:
             "loss.ppo_mini_batches",
             self.ppo_mini_batches,
             "integer >= 1",
-        )
-        _check(
-            _finite(self.position_fraction) and 0.0 < self.position_fraction <= 1.0,
-            "loss.position_fraction",
-            self.position_fraction,
-            "0 < position_fraction <= 1",
         )
 
     @property
@@ -562,6 +546,7 @@ class TrainConfig:
     divergence: DivergenceConfig = field(default_factory=DivergenceConfig)
     estimator: EstimatorConfig = field(default_factory=EstimatorConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    positions: PositionsConfig = field(default_factory=PositionsConfig)  # which positions the loss counts, weighted how
     reward: RewardConfig = field(default_factory=RewardConfig)  # the task's reward beside distillation (config/reward.py)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
@@ -598,6 +583,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if loss is LossName.direct and cfg.loss.credit is Credit.sequence:
         _fail("loss.credit", cfg.loss.credit.value, "token with loss=direct (sequence credit needs ppo or reinforce)")
     validate_ppo(cfg)
+    validate_positions(cfg)
     validate_reward(cfg)
     validate_teachers(cfg)
     if cfg.estimator.baseline is not Baseline.none and est is not EstimatorName.sampled:

@@ -263,6 +263,7 @@ def chosen_options(config: Mapping[str, Any]) -> dict[str, Any]:
     (``model_pair.embedded`` of a SmolLM2 run), another task's (``task.min_answers`` of an
     arithmetic run), a served teacher's connection of an in-process one, LoRA's, vLLM's and the
     loss forms' keys where they are off."""
+    from opd_exp.config.positions import chosen_positions
     from opd_exp.config.world import COMMON_TASK_KEYS, TASK_KEYS
 
     out = dict(config)
@@ -284,8 +285,9 @@ def chosen_options(config: Mapping[str, Any]) -> dict[str, Any]:
     if isinstance(loss, Mapping):
         drop = [] if loss.get("name") == "ppo" else ["clip_eps", *(k for k in loss if k.startswith("ppo_"))]
         drop += [] if loss.get("credit") == "sequence" else ["gamma"]
-        drop += [] if loss.get("positions") not in (None, "all") else ["position_fraction"]
         out["loss"] = _only(loss, drop)
+    if isinstance(out.get("positions"), Mapping):
+        out["positions"] = chosen_positions(out["positions"])
     scale = out.get("scale")
     if isinstance(scale, Mapping) and not scale.get("lora_rank"):
         out["scale"] = _only(scale, [k for k in scale if k.startswith("lora_")])

@@ -12,6 +12,7 @@ from typing import Any
 from opd_exp.config.schema import TrainConfig
 from opd_exp.runtime import files, fingerprint
 from opd_exp.runtime import precision as prec
+from opd_exp.training.positions import training_rollout_config
 from opd_exp.training.rollout import HfRollout, RolloutEngine
 
 
@@ -27,10 +28,14 @@ class Engines:
 
 
 def build_engines(cfg: TrainConfig, student, teacher, tokenizer, vocab_size: int, *, autocast, synced_gpus: bool, warn) -> Engines:
-    own = build_student_engine(cfg, student, tokenizer, vocab_size, autocast=autocast, synced_gpus=synced_gpus, warn=warn)
-    teacher_engine = in_process_engine(cfg, teacher, tokenizer, vocab_size, source="teacher", autocast=autocast)
+    train = training_rollout_config(cfg)  # positions=first_n: training rollouts stop early, evaluation does not
+    own = build_student_engine(train, student, tokenizer, vocab_size, autocast=autocast, synced_gpus=synced_gpus, warn=warn)
+    teacher_engine = in_process_engine(train, teacher, tokenizer, vocab_size, source="teacher", autocast=autocast)
+    eval_teacher = (
+        teacher_engine if train is cfg else in_process_engine(cfg, teacher, tokenizer, vocab_size, source="teacher", autocast=autocast)
+    )
     greedy = HfRollout(student, tokenizer, cfg.rollout, vocab_size, autocast=autocast)
-    return Engines(own, teacher_engine, greedy, teacher_engine)
+    return Engines(own, teacher_engine, greedy, eval_teacher)
 
 
 def require_extras(cfg: TrainConfig) -> None:

@@ -38,7 +38,9 @@ from opd_exp.training.scoring import TeacherScores, entropy
 # "overlap_k" (their switches on), "unfiltered" (KL(T||S) is infinite under a top-k/top-p filter:
 # not logged then, never a large finite stand-in), "whole_teacher" (not logged with a sparse
 # teacher, k < V), "topk_estimator" (estimator=topk*: the truncation masses T(K), S(K) of its
-# summed set), "loss_clamp" (estimator=topk_verl: share of tokens whose loss the clamp set).
+# summed set), "loss_clamp" (estimator=topk_verl: share of tokens whose loss the clamp set),
+# "weighted" (positions != all: the mean weight on the loss term), "entropy_gate" (the share of
+# tokens whose teacher entropy opens the forward-KL gate; training/positions.py).
 TOKEN_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "jsd/mean": ("objective", ()),
     "kl/reverse": ("objective", ()),
@@ -57,6 +59,8 @@ TOKEN_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "estimator/teacher_mass": ("objective", ("topk_estimator",)),
     "estimator/student_mass": ("objective", ("topk_estimator",)),
     "estimator/clamp_rate": ("objective", ("loss_clamp",)),
+    "positions/weight_mean": ("objective", ("weighted",)),
+    "positions/gate_rate": ("objective", ("entropy_gate",)),
 }
 # Logged only on the steps that have them: per-token sums (cost/clipped_frac, the gap), a count
 # (never divided) and a maximum over tokens.
@@ -96,6 +100,8 @@ def token_metric_names(cfg: TrainConfig, *, sparse: bool = False, by: str | None
         "whole_teacher": sparse,
         "topk_estimator": not cfg.estimator.name.value.startswith("topk"),
         "loss_clamp": cfg.estimator.name.value != "topk_verl",
+        "weighted": not cfg.positions.weighted,
+        "entropy_gate": cfg.positions.name.value != "entropy_gate",
     }
     return tuple(n for n, (who, needs) in TOKEN_METRICS.items() if by in (None, who) and not any(off[x] for x in needs))
 

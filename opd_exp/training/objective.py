@@ -58,24 +58,11 @@ from opd_exp.divergences import (
 )
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.monitors import OUTSIDE, exact_divergences, metric_beta, step_monitors, token_metric_names
+from opd_exp.training.positions import PositionWeights, position_mask
 from opd_exp.training.reward import with_reward
 from opd_exp.training.scoring import TeacherScores, token_logprobs
 
 __all__ = ["Objective", "Output", "metric_beta", "position_mask", "ppo_surrogate"]
-
-
-def position_mask(mask: torch.Tensor, positions: str, fraction: float) -> torch.Tensor:
-    """The response positions that count in the loss: ``all`` of them, or the ``first`` /
-    ``last`` ceil(fraction * L) of each row's L response tokens (``mask`` is [N, R], a prefix
-    of each row: whole rows, never a chunk of positions gathered from several)."""
-    m = mask.bool()
-    if positions == "all":
-        return m
-    length = m.sum(-1, keepdim=True)
-    n = torch.ceil(fraction * length.to(torch.float64)).to(length.dtype)
-    index = torch.cumsum(m.long(), -1) - 1  # 0-based index among the row's response tokens
-    keep = index < n if positions == "first" else index >= length - n
-    return m & keep
 
 
 def ppo_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,6 +124,7 @@ class Objective:
         tokens (None: a dense teacher, or one whose payload is rebuilt dense)."""
         self.cfg = cfg
         self.sparse = teacher_k is not None
+        self.positions = PositionWeights(cfg, sparse=self.sparse)  # which positions count, with what weight
         if self.sparse:
             check_sparse_teacher(cfg, teacher_k, int(vocab_size or 0))
         self.div = get_divergence(cfg.divergence.name.value, **cfg.divergence.params())
@@ -163,9 +151,10 @@ class Objective:
         counted: torch.Tensor | None = None,
         reward_advantages: torch.Tensor | None = None,
     ) -> Output:
-        """``counted``: the positions the loss counts, ``position_mask`` of the rows' whole response
-        masks (a caller that passes a chunk of positions from several rows computes it per row
-        first); by default computed here, ``mask`` being whole rows."""
+        """``counted``: the positions the loss counts, ``self.positions.counted`` of the rows' whole
+        response masks (a caller that passes a chunk of positions from several rows computes it per
+        row first); by default computed here, ``mask`` being whole rows. Their weights (or the
+        entropy gate's forward-KL term) are applied here: ``training/positions.py``."""
         cfg = self.cfg
         # the teacher: its TeacherScores, or its dense tempered logits
         scores = teacher if isinstance(teacher, TeacherScores) else TeacherScores(logits=teacher)
@@ -198,8 +187,11 @@ class Objective:
             per_token, advantages, clipped, trained_exact, per_position = self._on_policy(student_z, scores, response_ids, m, s, t)
 
         if counted is None:
-            counted = position_mask(mask, cfg.loss.positions.value, cfg.loss.position_fraction)
+            counted = self.positions.counted(mask)
         counted = counted.bool() & m
+        per_token, weighting = self.positions.terms(
+            per_token, counted, s=s0, t=t, student_z=student_z, teacher_z=teacher_z, kl_coef=kl_coef, chunk_size=chunk
+        )
         if reward_advantages is not None and on_policy:  # reward.coef > 0, after the position weights (training/reward.py)
             per_token, advantages = with_reward(per_token, advantages, reward_advantages, s, ppo=cfg.loss.name is LossName.ppo)
         loss = torch.where(counted, per_token, zero).sum() / max(float(normalizer), 1.0)
@@ -226,6 +218,7 @@ class Objective:
                 "student/logprob_mean": s0,
                 "teacher/logprob_mean": t,
                 **per_position,
+                **weighting,
             }
             values = {k: v for k, v in values.items() if k in self.names}
             if clipped is not None:

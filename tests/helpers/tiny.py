@@ -82,6 +82,7 @@ def small_config(**groups):
     """A TrainConfig shrunk for CPU tests; ``groups`` maps a group name to a dict of fields."""
     from opd_exp.config import schema as S
     from opd_exp.config.deprecated import RENAMED
+    from opd_exp.config.positions import GateMode, PositionsConfig, PositionsName
     from opd_exp.config.reward import RewardBaseline, RewardConfig
     from opd_exp.config.world import ModelPairConfig, TaskConfig
 
@@ -94,6 +95,8 @@ def small_config(**groups):
         ("scale", "precision"): S.Precision,
         ("logger", "name"): S.LoggerName,
         ("rollout", "engine"): S.RolloutEngine,
+        ("positions", "name"): PositionsName,
+        ("positions", "gate"): GateMode,
         ("reward", "baseline"): RewardBaseline,
     }
     base = {
@@ -121,6 +124,7 @@ def small_config(**groups):
         "divergence": S.DivergenceConfig,
         "estimator": S.EstimatorConfig,
         "loss": S.LossConfig,
+        "positions": PositionsConfig,
         "rollout": S.RolloutConfig,
         "trainer": S.TrainerConfig,
         "eval": S.EvalConfig,
