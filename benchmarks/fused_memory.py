@@ -64,12 +64,12 @@ def _worker(impl: str, V: int, N: int, R: int, seed: int = 0) -> dict:
 
     from opd_exp.config import schema as S
     from opd_exp.config.world import ModelPairConfig, TaskConfig
-    from opd_exp.training.fused import FusedTeacher, fused_accumulate, response_hidden
+    from opd_exp.training.fused import fused_accumulate
     from opd_exp.training.monitors import Monitors
     from opd_exp.training.objective import Objective
     from opd_exp.training.rollout import Batch
     from opd_exp.training.sampling import SamplingSpec
-    from opd_exp.training.scoring import student_logits, teacher_logits
+    from opd_exp.training.scoring import InProcessTeacher, response_hidden, student_logits, teacher_logits
 
     P = 8
     g = torch.Generator().manual_seed(seed)
@@ -103,7 +103,7 @@ def _worker(impl: str, V: int, N: int, R: int, seed: int = 0) -> dict:
             out.loss.backward()
             loss = float(out.loss)
         else:
-            ft = FusedTeacher(teacher, V, temperature=1.0, device="cpu")
+            ft = InProcessTeacher(teacher, V, temperature=1.0, device="cpu")
             out = fused_accumulate(
                 objective, monitors, student, ft, batch, vocab_size=V, sampling=SamplingSpec(), on_policy=True, normalizer=n
             )

@@ -15,12 +15,12 @@ from helpers.tiny import AddTask, small_config
 from opd_exp.config.positions import PositionsName as Positions
 from opd_exp.config.schema import Credit, DivergenceName, EstimatorName, FusedLmHead, LossName, ParamDtype, Precision, validate
 from opd_exp.runtime.errors import ConfigError
-from opd_exp.training.fused import FusedHead, FusedTeacher, fused_accumulate, unsupported_reason
+from opd_exp.training.fused import FusedHead, fused_accumulate, unsupported_reason
 from opd_exp.training.monitors import Monitors, Tally
 from opd_exp.training.objective import Objective
 from opd_exp.training.rollout import generate
 from opd_exp.training.sampling import SamplingSpec
-from opd_exp.training.scoring import student_logits, teacher_logits
+from opd_exp.training.scoring import InProcessTeacher, student_logits, teacher_logits
 
 
 def _combos():
@@ -53,7 +53,7 @@ def _both_paths(pair, cfg, batch, on_policy, chunk):
     ref_grads = {k: p.grad.clone() for k, p in student.named_parameters()}
 
     student.zero_grad(set_to_none=True)
-    teacher = FusedTeacher(pair.teacher, V, temperature=cfg.divergence.temperature, device="cpu")
+    teacher = InProcessTeacher(pair.teacher, V, temperature=cfg.divergence.temperature, device="cpu")
     out = fused_accumulate(
         objective,
         monitors,

@@ -37,7 +37,7 @@ from opd_exp.training.monitors import Monitors, Tally
 from opd_exp.training.objective import Objective, Output
 from opd_exp.training.rollout import Batch
 from opd_exp.training.sampling import SamplingSpec
-from opd_exp.training.scoring import dropout_off, entropy
+from opd_exp.training.scoring import InProcessTeacher, dropout_off, entropy, lm_head_logits, response_hidden
 
 # Below this vocabulary the [N, R, V] logits are small and the materialised path is faster
 # (one LM-head matmul instead of a Python loop over chunks): `auto` keeps it.
@@ -62,46 +62,6 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-def response_hidden(model, batch: Batch) -> torch.Tensor:
-    """Final hidden states ``[N, R, H]`` at the positions that predict the response tokens
-    (the backbone's output, before the LM head: what ``response_logits`` multiplies by W)."""
-    R = batch.response_ids.shape[1]
-    out = model.base_model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        use_cache=False,
-    )
-    return out.last_hidden_state[:, -(R + 1) : -1]
-
-
-def lm_head_logits(hidden: torch.Tensor, head: torch.nn.Linear, vocab_size: int) -> torch.Tensor:
-    """``hidden @ W[:V].T + b[:V]``: the head's logits over the tokenizer's vocabulary only."""
-    bias = None if head.bias is None else head.bias[:vocab_size]
-    return torch.nn.functional.linear(hidden, head.weight[:vocab_size], bias)
-
-
-class FusedTeacher:
-    """The frozen teacher's backbone output and head, scored chunk by chunk (no ``[N, R, V]``)."""
-
-    def __init__(self, model, vocab_size: int, *, temperature: float, device, autocast=contextlib.nullcontext):
-        self.model, self.vocab_size, self.temperature = model, vocab_size, temperature
-        self.device, self.autocast = torch.device(device), autocast
-
-    @torch.no_grad()
-    def hidden(self, batch: Batch) -> torch.Tensor:
-        with self.autocast():
-            return response_hidden(self.model, batch if batch.input_ids.device == self.device else batch.to(self.device))
-
-    @torch.no_grad()
-    def chunk_logits(self, hidden: torch.Tensor, where) -> torch.Tensor:
-        """Teacher logits of a chunk divided by the divergence temperature (fp32, no grad)."""
-        with self.autocast():
-            z = lm_head_logits(hidden, self.model.get_output_embeddings(), self.vocab_size).float()
-        z = z / self.temperature if self.temperature != 1.0 else z
-        return z.to(where)
-
-
 def _chunks(mask: torch.Tensor, per_token: bool, positions: int):
     """Index sets of the chunks: flattened response positions (per-token terms), or whole rows."""
     N, R = mask.shape
@@ -120,7 +80,7 @@ def fused_accumulate(
     objective: Objective,
     monitors: Monitors,
     student,
-    teacher: FusedTeacher,
+    teacher: InProcessTeacher,
     batch: Batch,
     *,
     vocab_size: int,
@@ -186,7 +146,7 @@ def fused_accumulate(
 @torch.no_grad()
 def fused_position_sums(
     student,
-    teacher: FusedTeacher,
+    teacher: InProcessTeacher,
     batch: Batch,
     divergences: Mapping,
     with_entropy: bool = False,
@@ -224,7 +184,7 @@ class FusedHead:
     micro-batch (objective, monitors, whole backward) and eval's position sums, both with dropout
     off, from the student's and the teacher's hidden states."""
 
-    def __init__(self, objective: Objective, monitors: Monitors, student, teacher: FusedTeacher, *, rollout, autocast):
+    def __init__(self, objective: Objective, monitors: Monitors, student, teacher: InProcessTeacher, *, rollout, autocast):
         self.objective, self.monitors, self.student, self.teacher = objective, monitors, student, teacher
         self.vocab_size, self.autocast = teacher.vocab_size, autocast
         self.sampling = SamplingSpec.from_rollout(rollout)
@@ -289,11 +249,18 @@ def use_fused_lm_head(cfg: TrainConfig, student, teacher, vocab_size: int) -> bo
 
 
 def build_fused_head(
-    cfg, objective: Objective, monitors: Monitors, student, teacher, *, vocab_size: int, device, autocast
+    cfg, objective: Objective, monitors: Monitors, student, teacher_scorer, *, vocab_size: int, autocast
 ) -> FusedHead | None:
-    """The fused head where ``scale.fused_lm_head`` picks it (it needs the teacher's hidden
-    states: never with a served teacher); None: the materialised path."""
-    if cfg.teacher.served or teacher is None or not use_fused_lm_head(cfg, student, teacher, vocab_size):  # None: several teachers
+    """The fused head where ``scale.fused_lm_head`` picks it; it reads the teacher's hidden states,
+    so only an ``InProcessTeacher`` (never a served teacher, nor a map of several); None: the
+    materialised path."""
+    if not isinstance(teacher_scorer, InProcessTeacher):
+        if cfg.scale.fused_lm_head.value == "on":
+            raise ConfigError(
+                f"scale.fused_lm_head='on' is not allowed with a {type(teacher_scorer).__name__} (the fused head reads one "
+                "in-process teacher's hidden states); allowed: auto or off"
+            )
         return None
-    fused_teacher = FusedTeacher(teacher, vocab_size, temperature=cfg.divergence.temperature, device=device, autocast=autocast)
-    return FusedHead(objective, monitors, student, fused_teacher, rollout=cfg.rollout, autocast=autocast)
+    if not use_fused_lm_head(cfg, student, teacher_scorer.model, vocab_size):
+        return None
+    return FusedHead(objective, monitors, student, teacher_scorer, rollout=cfg.rollout, autocast=autocast)

@@ -89,9 +89,9 @@ class MaterialisedHead:
         return loss_total, tally
 
 
-def build_head(cfg, objective, monitors, student, teacher, train_module, teacher_scorer, dist, *, vocab_size, teacher_device, autocast):
+def build_head(cfg, objective, monitors, student, train_module, teacher_scorer, dist, *, vocab_size, autocast):
     """``scale.fused_lm_head``: the fused head where it is picked, else the materialised one."""
     kw = dict(vocab_size=vocab_size, autocast=autocast)
-    fused = build_fused_head(cfg, objective, monitors, student, teacher, device=teacher_device, **kw)
+    fused = build_fused_head(cfg, objective, monitors, student, teacher_scorer, **kw)
     materialised = MaterialisedHead(objective, monitors, student, train_module, teacher_scorer, dist, rollout=cfg.rollout, **kw)
     return fused or materialised, materialised

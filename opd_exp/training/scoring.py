@@ -48,6 +48,25 @@ def student_logits(model, batch: Batch, vocab_size: int, sampling: SamplingSpec)
     return sampling.logits(response_logits(model, batch, vocab_size))
 
 
+def response_hidden(model, batch: Batch) -> torch.Tensor:
+    """Final hidden states ``[N, R, H]`` at the positions that predict the response tokens
+    (the backbone's output, before the LM head: what ``response_logits`` multiplies by W)."""
+    R = batch.response_ids.shape[1]
+    out = model.base_model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        use_cache=False,
+    )
+    return out.last_hidden_state[:, -(R + 1) : -1]
+
+
+def lm_head_logits(hidden: torch.Tensor, head: torch.nn.Linear, vocab_size: int) -> torch.Tensor:
+    """``hidden @ W[:V].T + b[:V]``: the head's logits over the tokenizer's vocabulary only."""
+    bias = None if head.bias is None else head.bias[:vocab_size]
+    return torch.nn.functional.linear(hidden, head.weight[:vocab_size], bias)
+
+
 @torch.no_grad()
 def teacher_logits(model, batch: Batch, vocab_size: int, *, temperature: float) -> torch.Tensor:
     """The teacher's logits divided by the divergence temperature (fp32, no grad)."""
@@ -207,3 +226,18 @@ class InProcessTeacher(TeacherScorer):
             if where == self.device:
                 return teacher_logits(self.model, batch, self.vocab_size, temperature=self.temperature)
             return teacher_logits(self.model, batch.to(self.device), self.vocab_size, temperature=self.temperature).to(where)
+
+    # The fused head's view of the same teacher (training/fused.py): the backbone's output at the
+    # response positions, then the head a chunk of positions at a time (no [N, R, V] logits).
+    @torch.no_grad()
+    def hidden(self, batch: Batch) -> torch.Tensor:
+        with self.autocast():
+            return response_hidden(self.model, batch if batch.input_ids.device == self.device else batch.to(self.device))
+
+    @torch.no_grad()
+    def chunk_logits(self, hidden: torch.Tensor, where) -> torch.Tensor:
+        """Teacher logits of a chunk divided by the divergence temperature (fp32, no grad)."""
+        with self.autocast():
+            z = lm_head_logits(hidden, self.model.get_output_embeddings(), self.vocab_size).float()
+        z = z / self.temperature if self.temperature != 1.0 else z
+        return z.to(where)

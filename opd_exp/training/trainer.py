@@ -109,8 +109,8 @@ class Trainer:
         self.train_module = dist_util.wrap_student(self.student, self.dist, self.device)
         # the LM head, picked once (scale.fused_lm_head): materialised logits, or chunks from hidden states
         self.head, materialised = build_head(
-            cfg, self.objective, self.monitors, self.student, self.teachers.fused_model, self.train_module, self.teacher_scorer, self.dist,
-            vocab_size=self.vocab_size, teacher_device=teacher_device, autocast=self.autocast,
+            cfg, self.objective, self.monitors, self.student, self.train_module, self.teacher_scorer, self.dist,
+            vocab_size=self.vocab_size, autocast=self.autocast,
         )  # fmt: skip
         self.student_logits = materialised.student_logits  # (module, batch): the sampling-distribution logits
         self.eval_divergences = EvalDivergences(cfg)
@@ -148,7 +148,7 @@ class Trainer:
             )
         # estimator=sampled: an eval divergence that stays above its start is said once (advice.py)
         own = self.eval_divergences.own_key
-        self.eval_rise = EvalRise(own, "sampled", tc.lr) if cfg.estimator.name.value == "sampled" else None
+        self.eval_rise = EvalRise(own, "sampled", tc.lr, cfg.estimator.baseline.value) if cfg.estimator.name.value == "sampled" else None
         self.lr_schedule = LrSchedule(tc)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_schedule.factor)
         self.state = TrainState(cursor=DataCursor(len(self.train_problems), cfg.seed), guard=StepGuard(tc.max_bad_steps))
