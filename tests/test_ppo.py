@@ -68,7 +68,7 @@ def test_defaults_are_one_update_per_rollout():
             "the exact full-vocabulary loss, which has no behaviour policy to clip against); allowed: rollout.on_policy_fraction=1.0",
         ),
         (
-            {"loss": {"ppo_epochs": 2}, "trainer": {"fused_lm_head": "on"}},
+            {"loss": {"ppo_epochs": 2}, "scale": {"fused_lm_head": "on"}},
             "loss.ppo_epochs=2 is not allowed; allowed: 1 with scale.fused_lm_head=on (the fused path makes one update per "
             "rollout); allowed: auto or off",
         ),
@@ -83,8 +83,9 @@ def test_refused_in_one_line(changes, line):
 
     with pytest.raises(ConfigError) as ex:
         g = groups(**changes)
-        if "fused_lm_head" in g.get("trainer", {}):
-            g["trainer"]["fused_lm_head"] = S.FusedLmHead(g["trainer"]["fused_lm_head"])
+        for group in ("trainer", "scale"):
+            if "fused_lm_head" in g.get(group, {}):
+                g[group]["fused_lm_head"] = S.FusedLmHead(g[group]["fused_lm_head"])
         small_config(**g)
     assert str(ex.value) == line
 
@@ -96,7 +97,7 @@ def test_the_fused_head_on_auto_keeps_the_materialised_path_for_several_updates(
 
     def cfg(updates):
         return SimpleNamespace(
-            trainer=SimpleNamespace(fused_lm_head=SimpleNamespace(value="auto"), parallel=SimpleNamespace(value="none"), lora_rank=0),
+            scale=SimpleNamespace(fused_lm_head=SimpleNamespace(value="auto"), parallel=SimpleNamespace(value="none"), lora_rank=0),
             loss=SimpleNamespace(ppo_updates=updates),
         )
 
