@@ -178,12 +178,19 @@ def test_each_row_is_scored_by_its_prompts_teacher(route, pair_root, tmp_path):
         assert min(counts) > 0, counts
 
 
-def test_per_teacher_metrics_add_up_to_the_global_ones(pair_root, tmp_path):
+PPO_UPDATES = dict(estimator={"name": "sampled"}, loss={"name": "ppo", "ppo_epochs": 2, "ppo_mini_batches": 2})
+
+
+@pytest.mark.parametrize("groups", [{}, PPO_UPDATES], ids=["full_direct", "ppo_4_updates"])
+def test_per_teacher_metrics_add_up_to_the_global_ones(groups, pair_root, tmp_path):
     """Per step: the token shares sum to 1 and sum_k share_k * teacher/k/<value> is the global
     estimate (jsd/mean, kl/reverse, kl/forward); per eval: the teachers' accuracies weighted by their
     prompts are eval/accuracy and eval/teacher_accuracy; the run record and the checkpoint hold the
     teacher set with content hashes."""
-    train(config("default", two_teachers(pair_root), trainer={"max_steps": 6}), tmp_path, pair_root, MixTask())
+    cfg = config("default", two_teachers(pair_root), trainer={"max_steps": 6}, eval={"size": 0}, **groups)  # all 16 eval prompts
+    trainer = train(cfg, tmp_path, pair_root, MixTask())
+    record = trainer.pair_record["teachers"]
+    assert record["add"]["prompts"] == {"training": 32, "eval": 8} and record["sub"]["prompts"] == {"training": 32, "eval": 8}
     rows = read_metrics(tmp_path)
     steps = [r for r in rows if "loss" in r]
     assert len(steps) == 6
@@ -199,7 +206,7 @@ def test_per_teacher_metrics_add_up_to_the_global_ones(pair_root, tmp_path):
             assert (f"teacher/{n}/jsd" in r) == (s > 0)
     assert both >= 3
     evals = [r for r in rows if "eval/accuracy" in r]
-    eval_problems = MixTask().eval_problems()
+    eval_problems = trainer.evaluator.problems
     n = {"add": sum(p.domain == "add" for p in eval_problems), "sub": sum(p.domain == "sub" for p in eval_problems)}
     assert n == {"add": 8, "sub": 8} and len(evals) == 4
     accuracies = set()

@@ -46,9 +46,9 @@ class TeacherSet:
             model = prec.prepare_teacher(pair.teacher, sc, device)  # frozen, no grad
             return model, cls(cfg, [model], device=device)
         router = Router(cfg.teachers)
-        router.check(splits)
+        counts = router.check(splits)  # one line for a problem no teacher takes, before any loads
         models, records = [], {}
-        for name, src in cfg.teachers.map.items():
+        for k, (name, src) in enumerate(cfg.teachers.map.items()):
             key = f"teachers.map.{name}"
             where = resolve_source(key, src, cfg)
             if where == getattr(pair, "teacher_path", None):
@@ -57,7 +57,7 @@ class TeacherSet:
                 model = load_teacher(key, where, cfg, pair)
             models.append(prec.prepare_teacher(model, sc, device))
             records[name] = {"source": f"pair:{src.pair}" if src.pair else src.path, "path": where, "sha256": content(where)}
-            records[name]["covers"] = list(src.covers)
+            records[name].update(covers=list(src.covers), prompts={split: n[k] for split, n in counts.items()})
         return models[0], cls(cfg, models, device=device, names=tuple(cfg.teachers.map), router=router, records=records)
 
     @property
