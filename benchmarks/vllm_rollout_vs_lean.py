@@ -55,8 +55,9 @@ def run(reps: int, batch: int, max_new: int) -> dict:
     from opd_exp.pairs import load_pair
     from opd_exp.runtime.distributed import row_seeds
     from opd_exp.tasks import build_task
+    from opd_exp.training.rollout import ModuleRollout
     from opd_exp.training.rollout_vllm import VllmRollout
-    from opd_exp.training.sampler import LeanRollout
+    from opd_exp.training.sampler import lean_generate
     from opd_exp.training.state import DataCursor
 
     torch.set_num_threads(1)
@@ -67,7 +68,7 @@ def run(reps: int, batch: int, max_new: int) -> dict:
     problems = task.train_problems()
     cursor = DataCursor(len(problems), cfg.seed)
     prompts = [[task.render_prompt(problems[i], pair.tokenizer) for i in cursor.next(batch)] for _ in range(reps + 1)]
-    engines = {"lean": LeanRollout(student, pair.tokenizer, cfg.rollout, pair.vocab_size)}
+    engines = {"lean": ModuleRollout(student, pair.tokenizer, cfg.rollout, pair.vocab_size, decoder=lean_generate)}
     engines["vllm"], build_wall, build_cpu = _timed(VllmRollout.from_config, cfg, student, pair.tokenizer, pair.vocab_size)
     rows = {name: [] for name in ENGINES}
     syncs = []

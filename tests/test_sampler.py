@@ -9,8 +9,8 @@ from scipy import stats
 
 from helpers.tiny import AddTask, small_config
 from opd_exp.config.schema import RolloutEngine
-from opd_exp.training.rollout import generate, sampling_logits
-from opd_exp.training.sampler import LeanRollout, StaticDecoder, lean_generate
+from opd_exp.training.rollout import ModuleRollout, generate, sampling_logits
+from opd_exp.training.sampler import StaticDecoder, lean_generate
 from opd_exp.training.sampling import SamplingSpec
 from opd_exp.training.scoring import response_logits, student_logits, token_logprobs
 
@@ -125,7 +125,7 @@ def test_trainer_runs_with_the_lean_engine_and_reports_the_gap(tiny_pair, tmp_pa
 
     cfg = small_config(rollout=dict(max_new_tokens=4, max_prompt_tokens=8, engine=RolloutEngine.lean), trainer=dict(max_steps=2))
     tr = Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask())
-    assert isinstance(tr.engines.student, LeanRollout)
+    assert isinstance(tr.engines.student, ModuleRollout) and tr.engines.student.decoder is lean_generate
     metrics = tr.train_step()
     assert 0.0 <= metrics["rollout/logprob_gap"] < 1e-5
     assert metrics["response/length_mean"] > 0

@@ -13,7 +13,7 @@ from opd_exp.config.schema import TrainConfig
 from opd_exp.runtime import files, fingerprint
 from opd_exp.runtime import precision as prec
 from opd_exp.training.positions import training_rollout_config
-from opd_exp.training.rollout import HfRollout, RolloutEngine
+from opd_exp.training.rollout import ModuleRollout, RolloutEngine
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ def build_engines(cfg: TrainConfig, student, teacher, tokenizer, vocab_size: int
     eval_teacher = (
         teacher_engine if train is cfg else in_process_engine(cfg, teacher, tokenizer, vocab_size, source="teacher", autocast=autocast)
     )
-    greedy = HfRollout(student, tokenizer, cfg.rollout, vocab_size, autocast=autocast)
+    greedy = ModuleRollout(student, tokenizer, cfg.rollout, vocab_size, autocast=autocast)
     return Engines(own, teacher_engine, greedy, eval_teacher)
 
 
@@ -67,10 +67,10 @@ def in_process_engine(
     follows the same choice."""
     engine = cfg.rollout.engine.value
     if engine == "lean" or (engine == "auto" and cfg.scale.parallel.value != "fsdp"):
-        from opd_exp.training.sampler import LeanRollout
+        from opd_exp.training.sampler import lean_generate
 
-        return LeanRollout(model, tokenizer, cfg.rollout, vocab_size, source=source, autocast=autocast)
-    return HfRollout(model, tokenizer, cfg.rollout, vocab_size, source=source, autocast=autocast, synced_gpus=synced_gpus)
+        return ModuleRollout(model, tokenizer, cfg.rollout, vocab_size, source=source, autocast=autocast, decoder=lean_generate)
+    return ModuleRollout(model, tokenizer, cfg.rollout, vocab_size, source=source, autocast=autocast, synced_gpus=synced_gpus)
 
 
 def run_identity(cfg: TrainConfig, pair, teacher_scorer) -> tuple[dict[str, Any], dict[str, Any]]:

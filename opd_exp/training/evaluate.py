@@ -19,7 +19,7 @@ from opd_exp.config.schema import TrainConfig
 from opd_exp.divergences import Divergence, get_divergence
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.monitors import metric_beta
-from opd_exp.training.rollout import Batch, HfRollout, RolloutEngine, decode_responses
+from opd_exp.training.rollout import Batch, ModuleRollout, RolloutEngine, decode_responses
 from opd_exp.training.sampling import SamplingSpec
 from opd_exp.training.scoring import TeacherScorer, entropy
 
@@ -60,7 +60,7 @@ def evaluate_accuracy(
     from types import SimpleNamespace
 
     ro = SimpleNamespace(max_new_tokens=max_new_tokens, max_prompt_tokens=UNCAPPED_PROMPT_TOKENS)
-    engine = HfRollout(model, tokenizer, ro, vocab_size=len(tokenizer), sampling=SamplingSpec())
+    engine = ModuleRollout(model, tokenizer, ro, vocab_size=len(tokenizer), sampling=SamplingSpec())
     return accuracy(engine, tokenizer, task, problems, batch_size, return_completions=return_completions)
 
 

@@ -474,8 +474,12 @@ class RolloutEngine(abc.ABC):
         In-process engines sample the live module and need nothing."""
 
 
-class HfRollout(RolloutEngine):
-    """In-process sampling with Hugging Face ``generate`` over the trainer's own module.
+class ModuleRollout(RolloutEngine):
+    """In-process sampling over the trainer's own module by one decoder, a plug-in with
+    ``generate``'s signature: Hugging Face ``generate`` (``rollout.engine=hf``, the default
+    here) or our KV-cache loop ``sampler.lean_generate`` (``lean``; decoder-only models whose
+    forward takes ``position_ids``, ``past_key_values`` and ``logits_to_keep``). Both draw from
+    the same ``SamplingSpec`` distribution and build the same ``Batch``.
     ``rollout_cfg``: the lengths (``max_new_tokens``, ``max_prompt_tokens``) and, unless
     ``sampling`` is given, the sampling settings."""
 
@@ -490,15 +494,21 @@ class HfRollout(RolloutEngine):
         autocast=contextlib.nullcontext,
         synced_gpus: bool = False,
         sampling: SamplingSpec | None = None,
+        decoder=None,
     ):
         self.model, self.tokenizer, self.cfg, self.vocab_size = model, tokenizer, rollout_cfg, vocab_size
+        self.decoder = decoder or generate
         self.sampling = sampling or SamplingSpec.from_rollout(rollout_cfg)
         self.source, self.autocast, self.synced_gpus = source, autocast, synced_gpus
 
     def generate(self, prompts, seeds=None, *, n_samples=1, greedy=False) -> Batch:
         ro = self.cfg
+        # FSDP: every rank keeps stepping until all finish (only HF generate is allowed there)
+        synced = {"synced_gpus": True} if self.synced_gpus and not greedy else {}
         with self.autocast():
-            return self._sample(
+            return self.decoder(
+                self.model,
+                self.tokenizer,
                 prompts,
                 n_samples=n_samples,
                 do_sample=not greedy,
@@ -508,12 +518,8 @@ class HfRollout(RolloutEngine):
                 source=self.source,
                 vocab_size=self.vocab_size,
                 row_seeds=None if greedy else seeds,
+                **synced,
             )
-
-    def _sample(self, prompts, **kw) -> Batch:
-        """The decode loop itself: HF ``generate`` (subclasses bring their own)."""
-        synced = self.synced_gpus and kw["do_sample"]
-        return generate(self.model, self.tokenizer, prompts, synced_gpus=synced, **kw)
 
 
 def warn_ignored_generation_settings(pair, warn) -> None:

@@ -19,14 +19,13 @@ samples, which the trainer compares with its own recomputation (``rollout/logpro
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from opd_exp.training.rollout import Batch, HfRollout, encode_prompts, eos_token_ids, positions_from_mask
+from opd_exp.training.rollout import Batch, encode_prompts, eos_token_ids, positions_from_mask
 from opd_exp.training.sampling import SamplingSpec
 
 
@@ -255,15 +254,3 @@ def lean_generate(
 
     response, sampled_lp = torch.stack(tokens, dim=1), torch.stack(logprobs, dim=1) if do_sample else None
     return Batch.from_responses(ids, mask, response, eos, n_samples=n_samples, source=source, sampling_logprobs=sampled_lp)
-
-
-class LeanRollout(HfRollout):
-    """In-process sampling with ``lean_generate`` over the trainer's own module
-    (``rollout.engine=lean``). Covers decoder-only HF models whose forward takes
-    ``position_ids``, ``past_key_values`` and ``logits_to_keep``; ``hf`` covers the rest."""
-
-    def __init__(self, model, tokenizer, rollout_cfg, vocab_size: int, *, source: str = "student", autocast=contextlib.nullcontext):
-        super().__init__(model, tokenizer, rollout_cfg, vocab_size, source=source, autocast=autocast)
-
-    def _sample(self, prompts, **kw) -> Batch:
-        return lean_generate(self.model, self.tokenizer, prompts, **kw)
