@@ -17,13 +17,13 @@ from helpers.tiny import AddTask, small_config
 from opd_exp.config.positions import PositionsName
 from opd_exp.config.schema import DivergenceName, validate
 from opd_exp.runtime.errors import ConfigError
-from opd_exp.training.fused import FusedTeacher, fused_accumulate
+from opd_exp.training.fused import fused_accumulate
 from opd_exp.training.monitors import TOKEN_METRICS, Monitors, Tally, token_metric_names
 from opd_exp.training.objective import Objective
 from opd_exp.training.positions import first_n_mask, iw_opd_weights, position_mask
 from opd_exp.training.rollout import generate
 from opd_exp.training.sampling import SamplingSpec
-from opd_exp.training.scoring import student_logits, teacher_logits, token_logprobs
+from opd_exp.training.scoring import InProcessTeacher, student_logits, teacher_logits, token_logprobs
 
 # --- the exact divergences, by hand over the vocabulary ---------------------------------------
 
@@ -233,6 +233,22 @@ def test_iw_opd_weights_a_sampled_rollout_per_sample():
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
 
 
+def test_a_reward_term_is_added_after_the_weights_unweighted():
+    """reward.coef > 0: the reward's REINFORCE term -A_r log S(y_t) joins on the counted
+    positions after IW-OPD's weights (and the entropy gate) acted on the distillation term."""
+    g = torch.Generator().manual_seed(15)
+    zs, zt, y, mask = _ragged(g)
+    reward = torch.randn(mask.shape, generator=g, dtype=torch.float64)
+    cfg = _config("iw_opd", {"gamma": 0.5}, divergence={"name": "rkl"}, estimator={"name": "sampled"}, loss={"name": "reinforce"})
+    out = Objective(cfg)(zs, zt, y, mask, on_policy=True, normalizer=13, reward_advantages=reward)
+    (got,) = torch.autograd.grad(out.loss, zs)
+    s = zs.log_softmax(-1).gather(-1, y[..., None])[..., 0]
+    t = zt.log_softmax(-1).gather(-1, y[..., None])[..., 0]
+    w, _ = _weights_by_hand("iw_opd", mask, s.detach(), t, None, gamma=0.5)
+    (want,) = torch.autograd.grad(((w * (s - t).detach() * s - reward * s)[mask]).sum() / 13, zs)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
 # --- the weights by hand -------------------------------------------------------------------------
 
 
@@ -283,7 +299,7 @@ def _batch(pair, temperature=0.9):
 
 def _fused(pair, cfg, batch, *, on_policy, chunk, n):
     pair.student.zero_grad(set_to_none=True)
-    teacher = FusedTeacher(pair.teacher, pair.vocab_size, temperature=cfg.divergence.temperature, device="cpu")
+    teacher = InProcessTeacher(pair.teacher, pair.vocab_size, temperature=cfg.divergence.temperature, device="cpu")
     out = fused_accumulate(
         Objective(cfg),
         Monitors(cfg),
