@@ -31,7 +31,7 @@ import torch
 
 # FILTERED_LOGIT and sampling_logits: imported from here as well as from training/sampling.py
 from opd_exp.training.sampling import FILTERED_LOGIT as FILTERED_LOGIT
-from opd_exp.training.sampling import SamplingSpec
+from opd_exp.training.sampling import SamplingSpec, draw, row_generators
 from opd_exp.training.sampling import sampling_logits as sampling_logits
 
 
@@ -102,19 +102,16 @@ class RowKeyedSampler:
     (up to float-level ties between logits computed at different batch shapes)."""
 
     def __init__(self, seeds: Sequence[int], device, vocab_size: int, sampling: SamplingSpec = SamplingSpec()):
-        self.gens = [torch.Generator(device=device).manual_seed(int(s) % (2**63)) for s in seeds]
+        self.gens = row_generators(seeds, device)
         self.vocab_size, self.sampling = vocab_size, sampling
         self.columns: list[torch.Tensor] = []  # [N] log-prob of each step's draw under softmax(z)
 
     def __call__(self, input_ids, scores):
         V = self.vocab_size
-        z = self.sampling.logits(scores[:, :V])
-        u = torch.stack([torch.rand(V, generator=g, device=z.device) for g in self.gens])
-        gumbel = -torch.log(-torch.log(u.clamp(min=1e-20, max=1.0 - 1e-7)))
-        choice = (z + gumbel).argmax(-1, keepdim=True)  # a draw from softmax(z)
-        self.columns.append((z.gather(-1, choice) - torch.logsumexp(z, dim=-1, keepdim=True)).squeeze(-1))
+        choice, logprob = draw(self.sampling.logits(scores[:, :V]), self.gens)
+        self.columns.append(logprob)
         out = torch.full_like(scores, float("-inf"))
-        return out.scatter_(1, choice, 0.0)
+        return out.scatter_(1, choice[:, None], 0.0)
 
 
 @dataclass

@@ -26,18 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from opd_exp.training.rollout import Batch, encode_prompts, eos_token_ids, positions_from_mask
-from opd_exp.training.sampling import SamplingSpec
-
-
-def gumbel_noise(shape: tuple[int, int], generators: Sequence[torch.Generator] | None, device) -> torch.Tensor:
-    """Standard Gumbel noise [rows, V]: row i from ``generators[i]`` (as ``RowKeyedSampler``), or
-    all rows from torch's global RNG."""
-    rows, V = shape
-    if generators is None:
-        u = torch.rand(rows, V, device=device)
-    else:
-        u = torch.stack([torch.rand(V, generator=g, device=device) for g in generators])
-    return -torch.log(-torch.log(u.clamp(min=1e-20, max=1.0 - 1e-7)))
+from opd_exp.training.sampling import SamplingSpec, draw, row_generators
 
 
 def _cache_key(model) -> str:
@@ -208,7 +197,7 @@ def lean_generate(
     if do_sample and row_seeds is not None:
         if len(row_seeds) != N:
             raise ValueError(f"row_seeds has {len(row_seeds)} seeds for {N} rows")
-        gens = [torch.Generator(device=device).manual_seed(int(s) % (2**63)) for s in row_seeds]
+        gens = row_generators(row_seeds, device)
 
     was_training = model.training
     model.eval()
@@ -232,8 +221,8 @@ def lean_generate(
                 raw = raw.float().index_fill(-1, eos_t, float("-inf"))
             if do_sample:
                 z = sampling.logits(raw)
-                nxt = (z + gumbel_noise((N, V), gens, device)).argmax(-1)
-                logprobs.append(z.gather(-1, nxt[:, None]).squeeze(-1) - torch.logsumexp(z, -1))
+                nxt, lp = draw(z, gens)
+                logprobs.append(lp)
             else:
                 nxt = raw.argmax(-1)
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)

@@ -9,6 +9,7 @@ them (engines, the LM heads, scoring) as one value.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -61,3 +62,27 @@ class SamplingSpec:
     def logits(self, raw: torch.Tensor) -> torch.Tensor:
         """The sampling distribution's logits from the model's ``raw`` logits (``sampling_logits``)."""
         return sampling_logits(raw, self.temperature, self.top_k, self.top_p)
+
+
+def row_generators(seeds: Sequence[int], device) -> list[torch.Generator]:
+    """One generator per row, keyed by its seed (taken modulo 2**63, torch's seed range)."""
+    return [torch.Generator(device=device).manual_seed(int(s) % (2**63)) for s in seeds]
+
+
+def gumbel_noise(shape: tuple[int, int], generators: Sequence[torch.Generator] | None, device) -> torch.Tensor:
+    """Standard Gumbel noise [rows, V]: row i from ``generators[i]``, or all rows from torch's
+    global RNG (seeded per step by the trainer)."""
+    rows, V = shape
+    if generators is None:
+        u = torch.rand(rows, V, device=device)
+    else:
+        u = torch.stack([torch.rand(V, generator=g, device=device) for g in generators])
+    return -torch.log(-torch.log(u.clamp(min=1e-20, max=1.0 - 1e-7)))
+
+
+def draw(z: torch.Tensor, generators: Sequence[torch.Generator] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one seeded draw every in-process decoder makes: Gumbel-max over the sampling logits
+    ``z`` [N, V] (argmax(z + G) is a draw from softmax(z); filtered entries are never chosen).
+    Returns the tokens [N] and their log-probs under softmax(z) [N]."""
+    choice = (z + gumbel_noise(tuple(z.shape), generators, z.device)).argmax(-1)
+    return choice, z.gather(-1, choice[:, None]).squeeze(-1) - torch.logsumexp(z, -1)
