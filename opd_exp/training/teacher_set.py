@@ -39,7 +39,7 @@ class TeacherSet:
 
     @classmethod
     def load(cls, cfg, pair, device, *, splits: dict[str, Sequence[Any]]) -> tuple[Any, TeacherSet]:
-        """(the module the engines and the fused head use, the set): the pair's teacher, or the
+        """(the module the teacher's rollout engines use, the set): the pair's teacher, or the
         map's teachers (every problem of ``splits`` routed first: one line before they load)."""
         sc = cfg.scale
         if not cfg.teachers.active:
@@ -63,11 +63,6 @@ class TeacherSet:
     @property
     def active(self) -> bool:
         return self.router is not None
-
-    @property
-    def fused_model(self):
-        """The teacher module of the fused LM head: None with several teachers (it holds one)."""
-        return self.models[0] if len(self.models) == 1 else None
 
     def scorer(self, tokenizer, vocab_size: int, *, autocast, warn):
         """The run's ``TeacherScorer``: the ``teacher`` group's, or a ``TeacherMap`` of one per teacher."""
