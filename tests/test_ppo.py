@@ -300,12 +300,20 @@ def test_eval_rise_is_said_once_after_three_evals_in_a_row_above_the_start():
     assert [i for i, line in enumerate(said) if line] == [5]  # the dip at the third eval restarts the count; said once
     assert said[5] == (
         "opd-train: warning: eval/rkl has been above its value before training (1) for 3 evals in a row (now 1.5 at step 6) "
-        "with estimator=sampled at trainer.lr=0.003: the sampled estimator's one-token gradient is noisy and this lr makes "
-        "the student worse; try trainer.lr=0.0003 (the least harmful lr measured on the embedded pair; docs/training.md)"
+        "with estimator=sampled estimator.baseline=none at trainer.lr=0.003: the sampled estimator's one-token gradient is "
+        "noisy and this lr makes the student worse; try estimator.baseline=exact (topk with a served teacher) and "
+        "trainer.lr=0.001 (estimator=sampled's defaults, measured on the embedded pair; docs/training.md)"
     )
-    low = EvalRise("eval/rkl", "sampled", 3e-4)
-    lines = [low.update(before, {"eval/rkl": 2.0}, s) for s in (1, 2, 3)]
-    assert lines[:2] == [None, None] and lines[2].endswith("try a lower trainer.lr, or estimator=full|topk (docs/training.md)")
+    defaults = "(estimator=sampled's defaults, measured on the embedded pair; docs/training.md)"
+    ends = {
+        (3e-4, "none"): f"try estimator.baseline=exact (topk with a served teacher) {defaults}",
+        (3e-3, "exact"): f"try trainer.lr=0.001 {defaults}",
+        (1e-3, "topk"): "try a lower trainer.lr, or estimator=full|topk_student (docs/training.md)",
+    }
+    for (lr, baseline), end in ends.items():
+        w = EvalRise("eval/rkl", "sampled", lr, baseline)
+        lines = [w.update(before, {"eval/rkl": 2.0}, s) for s in (1, 2, 3)]
+        assert lines[:2] == [None, None] and lines[2].endswith(end)
     assert EvalRise("eval/rkl", "sampled", 3e-3).update({}, {"eval/rkl": 2.0}, 1) is None  # no value before: nothing
 
 
@@ -318,7 +326,7 @@ def test_a_sampled_run_whose_eval_divergence_rises_warns_once(pair_root, tmp_pat
         full = trainer64(pair_root, tmp_path / "full", estimator={"name": "full"}, loss={"name": "direct"})
     log = (tmp_path / "train.log").read_text()
     assert log.count("opd-train: warning: eval/rkl has been above its value before training (1) for 3 evals") == 1
-    assert "(now 1.7 at step 3) with estimator=sampled at trainer.lr=0.01" in log
+    assert "(now 1.7 at step 3) with estimator=sampled estimator.baseline=none at trainer.lr=0.01" in log
     assert full.eval_rise is None  # the exact estimator is not watched
 
 

@@ -13,6 +13,7 @@ exactness checks on it (docs/extending.md), ``check_topk_estimators(d)`` those o
 top-k estimators (``TOPK_ESTIMATORS``, docs/divergences.md#top-k-estimators).
 """
 
+from .baseline import expected_cost, topk_expected_cost
 from .catalog import (
     DIVERGENCES,
     Divergence,
@@ -68,6 +69,7 @@ __all__ = [
     "check_topk_estimators",
     "default_chunk_size",
     "divergence_class",
+    "expected_cost",
     "filtered_value",
     "generalized_kl_topk",
     "get_divergence",
@@ -83,6 +85,7 @@ __all__ = [
     "teacher_topk_estimate",
     "topk_estimate",
     "topk_estimator",
+    "topk_expected_cost",
     "truncation_masses",
     "union_topk_estimate",
     "verl_topk",

@@ -39,6 +39,7 @@ from opd_exp.training.scoring import TeacherScores, entropy
 # not logged then, never a large finite stand-in), "whole_teacher" (not logged with a sparse
 # teacher, k < V), "topk_estimator" (estimator=topk*: the truncation masses T(K), S(K) of its
 # summed set), "loss_clamp" (estimator=topk_verl: share of tokens whose loss the clamp set),
+# "baseline" (estimator.baseline on: the mean control variate b subtracted from the sampled cost),
 # "weighted" (positions != all: the mean weight on the loss term), "entropy_gate" (the share of
 # tokens whose teacher entropy opens the forward-KL gate; training/positions.py).
 TOKEN_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
@@ -59,6 +60,7 @@ TOKEN_METRICS: dict[str, tuple[str, tuple[str, ...]]] = {
     "estimator/teacher_mass": ("objective", ("topk_estimator",)),
     "estimator/student_mass": ("objective", ("topk_estimator",)),
     "estimator/clamp_rate": ("objective", ("loss_clamp",)),
+    "estimator/baseline": ("objective", ("baseline",)),
     "positions/weight_mean": ("objective", ("weighted",)),
     "positions/gate_rate": ("objective", ("entropy_gate",)),
 }
@@ -100,6 +102,7 @@ def token_metric_names(cfg: TrainConfig, *, sparse: bool = False, by: str | None
         "whole_teacher": sparse,
         "topk_estimator": not cfg.estimator.name.value.startswith("topk"),
         "loss_clamp": cfg.estimator.name.value != "topk_verl",
+        "baseline": cfg.estimator.baseline.value == "none",
         "weighted": not cfg.positions.weighted,
         "entropy_gate": cfg.positions.name.value != "entropy_gate",
     }

@@ -7,7 +7,9 @@ micro-batches gives exactly the gradient of one big batch. Metric sums are retur
 unnormalised for the same reason.
 
 Estimators (student-sampled batches):
-  sampled      R_t = c_t (credit=token) or c_t + sum gamma^k v_{t+k} (credit=sequence)
+  sampled      R_t = c_t (credit=token) or c_t + sum gamma^k v_{t+k} (credit=sequence), minus
+               b_t = E_{y~S}[c_t] with ``estimator.baseline`` (a control variate that never reads y_t:
+               the same expected gradient, a lower variance; ``divergences.baseline``)
                ppo:       -min(A r, A clip(r)), A = -kl_coef R, r = exp(logp - logp_old)
                reinforce: kl_coef * R * log S(y_t)
   topk/full    per-position surrogate g_t whose gradient estimates grad D_t (exact for full)
@@ -46,14 +48,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opd_exp.config.schema import TOPK_VARIANTS, Credit, EstimatorName, LossName, TrainConfig
+from opd_exp.config.schema import TOPK_VARIANTS, Baseline, Credit, EstimatorName, LossName, TrainConfig
 from opd_exp.divergences import (
     TOPK_ESTIMATORS,
+    expected_cost,
     filtered_value,
     generalized_kl_topk,
     get_divergence,
     sequence_returns,
     topk_estimate,
+    topk_expected_cost,
     truncation_masses,
 )
 from opd_exp.runtime.errors import ConfigError
@@ -103,7 +107,13 @@ def check_sparse_teacher(cfg: TrainConfig, k: int, vocab_size: int) -> None:
             f"estimator.name={est.value!r} is not allowed {where} (it needs the teacher's log-probs on the student's top-k); "
             "allowed: topk, topk_renorm, topk_generalized_kl or sampled, or teacher=in_process, or teacher.k covering the vocabulary"
         )
-    if est in (EstimatorName.topk, EstimatorName.topk_renorm, EstimatorName.topk_generalized_kl) and cfg.estimator.k > k:
+    if cfg.estimator.baseline is Baseline.exact:
+        raise ConfigError(
+            f"estimator.baseline='exact' is not allowed {where} (it needs every teacher log-prob); "
+            "allowed: topk (from the teacher's top-k) or none, or teacher=in_process"
+        )
+    topk_baseline = cfg.estimator.baseline is Baseline.topk
+    if (est in (EstimatorName.topk, EstimatorName.topk_renorm, EstimatorName.topk_generalized_kl) or topk_baseline) and cfg.estimator.k > k:
         raise ConfigError(f"estimator.k={cfg.estimator.k} is not allowed {where}; allowed: estimator.k <= teacher.k")
     if ro.filtered:
         key, value = ("rollout.top_k", ro.top_k) if ro.top_k > 0 else ("rollout.top_p", ro.top_p)
@@ -257,7 +267,12 @@ class Objective:
                 returns = sequence_returns(cost, self.value(self.div, s0, t, student_z.detach(), teacher_z, m), m, gamma)
             else:
                 returns = cost
-            advantages = -kl_coef * returns
+            per_position = {}
+            if cfg.estimator.baseline is not Baseline.none:  # a control variate: E[c] at the position, never reading y
+                b = self._baseline(student_z, scores).to(returns.dtype)
+                returns = torch.where(m, returns - b, returns)
+                per_position["estimator/baseline"] = b
+            advantages = -kl_coef * returns  # after the baseline: what the loss uses (advantages/mean)
             if form is LossName.ppo:
                 # The first (or only) update of a rollout: the weights are the sampling policy's, so
                 # logp_old is this forward's own log-prob: the ratio is 1 in value, its gradient
@@ -266,7 +281,7 @@ class Objective:
             else:
                 per_token = -advantages * s
             clipped = self.div.clipped(s0, t) if self.report_clip else None
-            return per_token, advantages, clipped, None, {}
+            return per_token, advantages, clipped, None, per_position
 
         clipped, per_position = None, {}
         if est is EstimatorName.full:
@@ -300,6 +315,14 @@ class Objective:
             per_token = kl_coef * surrogate
         # the exact D per position, for the monitors (estimator=full only; topk's value is an estimate)
         return per_token, -kl_coef * (value + future), clipped, value if est is EstimatorName.full else None, per_position
+
+    def _baseline(self, student_z, scores: TeacherScores) -> torch.Tensor:
+        """b = E_{y~S}[c(y)] per position (``estimator.baseline``): exact from a dense teacher, or
+        from the teacher's top-k (``divergences.baseline``); the sampling distribution's logits."""
+        if self.cfg.estimator.baseline is Baseline.exact:
+            return expected_cost(self.div, student_z, scores.logits)
+        tk_lp, tk_ids = scores.topk(self.cfg.estimator.k)
+        return topk_expected_cost(self.div, student_z, tk_lp, tk_ids)
 
     def _topk_variant(self, student_z, scores: TeacherScores, y):
         """A ``TOPK_ESTIMATORS`` variant's ``TopkEstimate``. Both logits come tempered already

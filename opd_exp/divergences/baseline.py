@@ -1,0 +1,132 @@
+"""Control-variate baselines for the sampled estimator: b per position, subtracted from the cost.
+
+The sampled estimator's gradient at a position is c(y) grad log S(y), y ~ S. For any b that
+is a function of the two distributions at the position only (so of the prefix, never of the
+sampled y) and carries no gradient,
+
+    E_y[(c(y) - b) grad log S(y)] = E_y[c(y) grad log S(y)] - b * sum_v grad S_v = grad D,
+
+because sum_v S_v = 1 has zero gradient. So subtracting b leaves the expected gradient exactly
+as it was and changes only its variance; the baseline used here is (an estimate of) the
+expected cost under the student,
+
+    b = E_{y~S}[c(y)] = sum_v S_v c(s_v, t_v),
+
+the classic value baseline: it centres the advantage (a cost above b pushes its token down, a
+cost below it up), where without it every sampled token of a positive-cost divergence is pushed
+down and only the sizes differ. For rkl (c = s - t) b is KL(S || T) = D itself; for fkl
+(c = -T/S) it is -T(supp S), -1 without a sampling filter; for jsd (1 - beta) KL(S || M).
+
+* ``expected_cost``: exact, from the teacher's whole distribution (an in-process teacher).
+* ``topk_expected_cost``: from the teacher's top-k only (a served teacher works too): exact over
+  the top-k set K, and over the tail the teacher's remaining mass T(K^c) = 1 - sum_K T_v spread
+  in the student's shape (t_v = s_v + log T(K^c) / S(K^c) for v not in K). It reads neither y nor
+  the teacher's log-prob of y: a baseline b(y) that did (a tail term [y not in K] c(y), as the
+  unbiased top-k value has) would add E_y[b(y) grad log S(y)] = sum_{v not in K} S_v c_v grad log S_v
+  != 0 to the gradient, and undoing that needs every tail entry's teacher log-prob, which is
+  what a top-k teacher does not send. Its tail guess may be off; that costs variance, not bias.
+
+A position whose baseline is not finite (a teacher log-prob of -inf where the student has mass:
+D itself is infinite there) gets b = 0, which is the same unbiased choice made from the
+position's distributions alone.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .catalog import Divergence
+
+# ~32 MiB of fp32 per [chunk, V] buffer, as the full-vocabulary divergence.
+_CHUNK_ELEMENTS = 1 << 23
+
+
+def _rows(logits: torch.Tensor) -> tuple[torch.Size, torch.Tensor, int]:
+    lead, V = logits.shape[:-1], logits.shape[-1]
+    return lead, logits.detach().reshape(-1, V), max(1, _CHUNK_ELEMENTS // max(V, 1))
+
+
+def _dtype(x: torch.Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32  # fp32 at least
+
+
+def weighted_cost(div: Divergence, s: torch.Tensor, t: torch.Tensor, weighted: bool = True) -> torch.Tensor:
+    """b per row of log-probs ``s``, ``t`` ``[n, V]``: sum_v S_v w_v c_v / sum_v S_v w_v over the
+    entries with S_v > 0; w_v = |e_v - S|^2 (``weighted``) or 1 (the plain mean E_S[c]).
+    Rows with no spread (S one-hot: sum S w = 0, and grad log S = 0 there) take the plain mean."""
+    S = s.exp()
+    zero = torch.zeros((), dtype=s.dtype, device=s.device)
+    on = S > 0
+    c = torch.where(on, div.token_cost(s, t), zero)  # S = 0: never drawn (0 * inf would be NaN)
+    mean = (S * c).sum(-1)
+    if not weighted:
+        return mean
+    q = (S * S).sum(-1, keepdim=True)
+    sw = S * (1.0 - 2.0 * S + q)  # S_v |e_v - S|^2 >= 0
+    den = sw.sum(-1)  # = 1 - |S|^2
+    spread = den > 64 * torch.finfo(s.dtype).eps
+    return torch.where(spread, (sw * c).sum(-1) / torch.where(spread, den, 1.0), mean)
+
+
+def _finite_or_zero(b: torch.Tensor) -> torch.Tensor:
+    return torch.where(torch.isfinite(b), b, torch.zeros((), dtype=b.dtype, device=b.device))
+
+
+@torch.no_grad()
+def expected_cost(div: Divergence, student_logits: torch.Tensor, teacher_logits: torch.Tensor, *, weighted: bool = True) -> torch.Tensor:
+    """b per position from the teacher's whole distribution: ``[..., V] x [..., V] -> [...]``.
+
+    The student's logits are its sampling distribution's (tempered, filtered: -inf or -1e9 where a
+    token cannot be drawn), the teacher's tempered; both detached, computed a chunk of rows at a time."""
+    lead, zs, chunk = _rows(student_logits)
+    zt = teacher_logits.detach().reshape(zs.shape)
+    dtype = _dtype(zs)
+    out = torch.empty(zs.shape[0], dtype=dtype, device=zs.device)
+    for a in range(0, zs.shape[0], chunk):
+        s = torch.log_softmax(zs[a : a + chunk].to(dtype), -1)
+        t = torch.log_softmax(zt[a : a + chunk].to(dtype), -1)
+        out[a : a + chunk] = weighted_cost(div, s, t, weighted)
+    return _finite_or_zero(out).reshape(lead)
+
+
+@torch.no_grad()
+def topk_expected_cost(
+    div: Divergence,
+    student_logits: torch.Tensor,
+    teacher_topk_logprobs: torch.Tensor,
+    teacher_topk_ids: torch.Tensor,
+    *,
+    weighted: bool = True,
+) -> torch.Tensor:
+    """b per position from the teacher's top-k: its log-probs on its top-k set K (normalised over
+    its whole vocabulary), every tail entry filled with ``tail_fill``.
+    ``[..., V]``, ``[..., k]``, ``[..., k]`` -> ``[...]``."""
+    lead, zs, chunk = _rows(student_logits)
+    k = teacher_topk_ids.shape[-1]
+    ids = teacher_topk_ids.reshape(-1, k)
+    t_k_all = teacher_topk_logprobs.detach().reshape(-1, k)
+    dtype = _dtype(zs)
+    out = torch.empty(zs.shape[0], dtype=dtype, device=zs.device)
+    for a in range(0, zs.shape[0], chunk):
+        s = torch.log_softmax(zs[a : a + chunk].to(dtype), -1)
+        idx, t_k = ids[a : a + chunk], t_k_all[a : a + chunk]
+        fill = tail_fill(t_k, s.shape[-1]).to(dtype)
+        t = fill.expand_as(s).scatter(-1, idx, t_k.to(dtype))  # log T: known on K, filled on the tail
+        out[a : a + chunk] = weighted_cost(div, s, t, weighted)
+    return _finite_or_zero(out).reshape(lead)
+
+
+def tail_fill(topk_logprobs: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[n, 1]`` the log-prob given to each of the V - k entries outside the teacher's top-k:
+    its remaining mass T(K^c) = 1 - sum_K T spread evenly, never above the smallest top-k log-prob
+    (no tail entry is), and T(K^c) never taken below k * eps of the log-probs' dtype (the rounding
+    of the top-k sum: a tail mass below it is not known, and 0 would put every tail entry at -inf)."""
+    k = topk_logprobs.shape[-1]
+    floor = k * torch.finfo(topk_logprobs.dtype).eps
+    t_k = topk_logprobs.double()
+    tail_mass = (-torch.expm1(torch.logsumexp(t_k, -1, keepdim=True))).clamp_min(floor)
+    return torch.minimum(t_k.amin(-1, keepdim=True), tail_mass.log() - math.log(max(vocab_size - k, 1)))
