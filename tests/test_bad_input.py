@@ -80,7 +80,7 @@ cfg(
     "loss.name='direct' is not allowed; allowed: ppo or reinforce with estimator=sampled",
 )
 cfg("config/ppo_with_full", ["loss=ppo", "estimator=full"], "estimator.name='full' is not allowed; allowed: sampled with loss=ppo")
-cfg("config/unknown_task", ["task.name=mmlu"], "task.name: got 'mmlu'; allowed: " + " | ".join(TASKS))
+cfg("config/unknown_task", ["task.name=mmlu"], "task.name='mmlu' is not allowed; allowed: " + " | ".join(TASKS))
 
 
 # -- data ---------------------------------------------------------------------------------

