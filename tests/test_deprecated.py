@@ -10,7 +10,7 @@ import pytest
 
 from opd_exp.cli.compose import compose_config
 from opd_exp.config import schema as S
-from opd_exp.config.deprecated import RENAMED, upgrade_config, upgrade_flat, upgrade_overrides
+from opd_exp.config.deprecated import RENAMED, upgrade_flat, upgrade_overrides
 
 
 def test_every_old_key_names_an_existing_new_field():
@@ -62,16 +62,12 @@ def test_a_new_key_out_of_range_names_the_new_key():
         compose_config("trainer.eval_batch_size=0", "logger=none")
 
 
-def test_stored_configs_are_read_under_the_new_names():
-    nested = {"trainer": {"lr": 0.1, "eval_every": 5, "device": "cpu", "extend": True}, "eval": {"size": 3}}
-    assert upgrade_config(nested) == {
-        "trainer": {"lr": 0.1},
-        "eval": {"size": 3, "every": 5},
-        "scale": {"device": "cpu"},
-        "checkpoint": {"extend": True},
+def test_stored_fingerprints_are_read_under_the_new_names():
+    assert upgrade_flat({"trainer.eval_size": 4, "trainer.lr": 1.0, "loss.positions": "first"}) == {
+        "eval.size": 4,
+        "trainer.lr": 1.0,
+        "positions.name": "first",
     }
-    assert nested["trainer"]["eval_every"] == 5  # the input is not changed
-    assert upgrade_flat({"trainer.eval_size": 4, "trainer.lr": 1.0}) == {"eval.size": 4, "trainer.lr": 1.0}
 
 
 def test_the_cli_prints_the_notice_and_runs_with_the_new_key(tmp_path):

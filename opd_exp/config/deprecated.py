@@ -3,8 +3,8 @@
 The ``trainer`` group used to hold evaluation, checkpointing and hardware settings as well as
 the loop; they now live in their own groups (``eval``, ``checkpoint``, ``scale``). An old
 dotted key on the command line (``trainer.eval_every=100``) is rewritten to its new key before
-Hydra composes, with one line on stderr; a config stored by an older run (checkpoint, run
-folder) is read through ``upgrade_config`` so a resume or a comparison sees today's keys.
+Hydra composes, with one line on stderr; the settings fingerprint a checkpoint of an older run
+stored is read through ``upgrade_flat``, so its resume compares today's keys.
 """
 
 from __future__ import annotations
@@ -73,25 +73,6 @@ def upgrade_overrides(overrides: Iterable[str], warn: Callable[[str], None] | No
             seen.add(old)
             warn(notice(old, new))
         out.append(f"{m.group('prefix') or ''}{new}{m.group('rest')}")
-    return out
-
-
-def upgrade_config(config: dict[str, Any]) -> dict[str, Any]:
-    """A stored run config (nested dict) with the old keys moved to their groups. Where both
-    the old and the new key are present, the new one is kept."""
-    out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in config.items()}
-    trainer = out.get("trainer")
-    if not isinstance(trainer, dict):
-        return out
-    for old, new in RENAMED.items():
-        key = old.split(".", 1)[1]
-        if key not in trainer:
-            continue
-        value = trainer.pop(key)
-        group, field = new.split(".", 1)
-        dest = out.setdefault(group, {})
-        if isinstance(dest, dict):
-            dest.setdefault(field, value)
     return out
 
 
