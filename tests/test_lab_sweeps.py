@@ -15,7 +15,7 @@ from test_sweeps import SWEEPS, compose_job
 
 LAB_SWEEPS = sorted((SWEEPS / "sweep").glob("lab_*.yaml"))
 # the five claims
-CLAIMS = {"lab_kl_direction", "lab_on_policy", "lab_prefix_x_kl", "lab_legacy_jsd", "lab_token_fraction"}
+CLAIMS = {"lab_kl_direction", "lab_on_policy", "lab_prefix_x_kl", "lab_legacy_jsd", "lab_token_fraction", "lab_early_stop"}
 
 
 def _params(name: str) -> dict[str, list[str]]:
@@ -46,8 +46,8 @@ def test_lab_sweeps_pick_what_their_claims_need():
         "sampled",
         "ppo",
     )
-    assert _params("lab_token_fraction")["variant"] == ["positions_all", "positions_first", "positions_last"]
-    for where in ("all", "first", "last"):
+    assert _params("lab_token_fraction")["variant"] == ["positions_all", "positions_first", "positions_last", "positions_iw_opd"]
+    for where in ("all", "first", "last", "iw_opd"):
         hc, cfg = compose_job(["sweep=lab_token_fraction", f"variant=positions_{where}", "seed=1"], job_num=4)
         assert (cfg.positions.name.value, cfg.positions.fraction, hc.sweep.subdir) == (where, 0.3, f"4_positions_{where}_seed1")
 
