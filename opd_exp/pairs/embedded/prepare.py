@@ -87,7 +87,10 @@ def model_key(role: str, pair: EmbeddedPairConfig, task: TaskConfig) -> dict:
     """
     model: EmbeddedModelConfig = getattr(pair, role)
     if role == "teacher" and pair.recovery > 0:  # only then: every other key stays what it was
-        return {**model_key(role, dataclasses.replace(pair, recovery=0.0), task), "recovery": pair.recovery}
+        from opd_exp.pairs.embedded.recovery import RECIPE
+
+        plain = model_key(role, dataclasses.replace(pair, recovery=0.0), task)
+        return {**plain, "recovery": {"share": pair.recovery, "recipe": RECIPE}}
     if task.name == "multimodal":
         return {
             "world_version": WORLD_VERSION,

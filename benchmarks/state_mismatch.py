@@ -1,0 +1,46 @@
+"""The state-mismatch statistics of a chain world (``opd_exp/pairs/embedded/mismatch.py``).
+
+    python benchmarks/state_mismatch.py [--n 200] [--k 4] [overrides ...]
+
+Default: the lab's mismatch world (``model_pair=embedded_chain_recovery task=chain``); pass
+``model_pair=embedded_chain`` for the old chain world. Overrides are the ``model_pair.*`` /
+``task.*`` keys ``opd-prepare`` accepts. Prints one line per statistic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+from opd_exp.cli.prepare import _parse_overrides
+from opd_exp.pairs.embedded.mismatch import state_mismatch
+from opd_exp.pairs.embedded.models import load_model
+from opd_exp.pairs.embedded.prepare import prepare_embedded
+from opd_exp.pairs.embedded.tokenizer import load_tokenizer
+from opd_exp.tasks import build_task
+
+
+def main(argv: list[str]) -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=200, help="eval problems (a prefix of the eval split)")
+    ap.add_argument("--k", type=int, default=4, help="samples per model and prompt")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    args, overrides = ap.parse_known_args(argv)
+    torch.set_num_threads(1)
+    pair_cfg, task_cfg = _parse_overrides(["model_pair=embedded_chain_recovery", "task=chain", *overrides])
+    pair = prepare_embedded(pair_cfg, task_cfg, progress=False)
+    tok = load_tokenizer(pair.tokenizer)
+    task = build_task(task_cfg)
+    student, teacher = load_model(pair.student).eval(), load_model(pair.teacher).eval()
+    started = time.perf_counter()
+    out = state_mismatch(student, teacher, tok, task, task.eval_problems()[: args.n], k=args.k, max_new_tokens=args.max_new_tokens)
+    print(f"{pair_cfg.name}: {args.n} eval problems, k={args.k} samples per model ({time.perf_counter() - started:.1f} s)")
+    for key, value in out.items():
+        print(f"  {key:32s} {value:.4f}" if isinstance(value, float) else f"  {key:32s} {value}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
