@@ -23,6 +23,7 @@ from helpers.tiny import AddTask, build_model, small_config
 from opd_exp.config.schema import TeacherConfig, TeacherName
 from opd_exp.config.teachers import TeachersConfig
 from opd_exp.config.world import TaskConfig
+from opd_exp.pairs.teacher_map import load_map_teacher
 from opd_exp.runtime import fingerprint
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.ppo import select_rows
@@ -87,7 +88,7 @@ def config(name: str = "default", teachers: TeachersConfig | None = None, **chan
 
 
 def trainer_of(cfg, run_dir: Path, root: Path, task=None) -> Trainer:
-    return Trainer(cfg, run_dir, pair=golden.load_pair(root), task=task or AddTask())
+    return Trainer(cfg, run_dir, pair=golden.load_pair(root), task=task or AddTask(), load_map_teacher=load_map_teacher)
 
 
 def train(cfg, run_dir: Path, root: Path, task=None) -> Trainer:
@@ -449,12 +450,12 @@ def test_two_served_teachers_match_the_in_process_run(pair_root, tmp_path):
     }
     try:
         base = config("default", two_teachers(pair_root), estimator={"name": "topk", "k": 6}, divergence={"name": "rkl"})
-        local = Trainer(base, tmp_path / "local", pair=_float32_pair(pair_root), task=MixTask())
+        local = Trainer(base, tmp_path / "local", pair=_float32_pair(pair_root), task=MixTask(), load_map_teacher=load_map_teacher)
         local.run()
         te = TeacherConfig(name=TeacherName.served, k=6, retries=0, backoff_s=0.0, timeout_s=30.0)
         entries = {n: {**dataclasses.asdict(base.teachers.map[n]), "url": s.url} for n, s in servers.items()}
         served = dataclasses.replace(base, teacher=te, teachers=TeachersConfig(route="operator", map=entries))
-        trainer = Trainer(served, tmp_path / "served", pair=_float32_pair(pair_root), task=MixTask())
+        trainer = Trainer(served, tmp_path / "served", pair=_float32_pair(pair_root), task=MixTask(), load_map_teacher=load_map_teacher)
         trainer.run()
         a = [r["loss"] for r in read_metrics(tmp_path / "local") if "loss" in r]
         b = [r["loss"] for r in read_metrics(tmp_path / "served") if "loss" in r]

@@ -111,6 +111,7 @@ def validated(cfg: DictConfig, hc) -> TrainConfig:
 def build_inputs(cfg: TrainConfig) -> dict:
     """The task and the model pair a config names (the data is read before any model loads)."""
     from opd_exp.pairs import load_pair
+    from opd_exp.pairs.teacher_map import load_map_teacher
     from opd_exp.runtime import distributed
     from opd_exp.tasks import build_task
 
@@ -126,7 +127,8 @@ def build_inputs(cfg: TrainConfig) -> dict:
     device = distributed.device_for(cfg.scale.device, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     pair = load_pair(cfg.model_pair, cfg.task, device)
     task.check_tokenizer(pair.tokenizer)  # e.g. a chat task on a tokenizer without a chat template
-    return {"task": task, "pair": pair}
+    # teachers.map's models are loaded by the pairs package, handed to the trainer with the pair
+    return {"task": task, "pair": pair, "load_map_teacher": load_map_teacher}
 
 
 def check_device(device: str, local_rank: int = 0) -> None:

@@ -18,12 +18,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from opd_exp.runtime import fingerprint
 from opd_exp.runtime import precision as prec
-from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.monitors import Monitors, Tally
 from opd_exp.training.routing import RoutedMonitors, Router, TeacherMap, teacher_metrics
 from opd_exp.training.teachers import build_teacher_scorer
@@ -38,25 +36,24 @@ class TeacherSet:
         self._engines: dict[int, Any] = {}
 
     @classmethod
-    def load(cls, cfg, pair, device, *, splits: dict[str, Sequence[Any]]) -> tuple[Any, TeacherSet]:
+    def load(cls, cfg, pair, device, splits: dict[str, Sequence[Any]], load=None) -> tuple[Any, TeacherSet]:
         """(the module the teacher's rollout engines use, the set): the pair's teacher, or the
-        map's teachers (every problem of ``splits`` routed first: one line before they load)."""
+        map's teachers (every problem of ``splits`` routed first: one line before they load),
+        each loaded by ``load`` (``pairs.teacher_map.load_map_teacher``, handed down
+        by the entry point: loading models is the pairs package's concern)."""
         sc = cfg.scale
         if not cfg.teachers.active:
             model = prec.prepare_teacher(pair.teacher, sc, device)  # frozen, no grad
             return model, cls(cfg, [model], device=device)
+        if load is None:
+            raise ValueError("TeacherSet.load: teachers.map is set but no loader was given (pairs.teacher_map.load_map_teacher)")
         router = Router(cfg.teachers)
         counts = router.check(splits)  # one line for a problem no teacher takes, before any loads
         models, records = [], {}
         for k, (name, src) in enumerate(cfg.teachers.map.items()):
             key = f"teachers.map.{name}"
-            where = resolve_source(key, src, cfg)
-            if where == getattr(pair, "teacher_path", None):
-                model = pair.teacher  # the pair's own: one copy
-            else:
-                model = load_teacher(key, where, cfg, pair)
+            model, records[name] = load(key, src, cfg, pair)
             models.append(prec.prepare_teacher(model, sc, device))
-            records[name] = {"source": f"pair:{src.pair}" if src.pair else src.path, "path": where, "sha256": content(where)}
             records[name].update(covers=list(src.covers), prompts={split: n[k] for split, n in counts.items()})
         return models[0], cls(cfg, models, device=device, names=tuple(cfg.teachers.map), router=router, records=records)
 
@@ -138,66 +135,3 @@ class TeacherSet:
             if served:
                 teachers[name]["server"] = {k.rsplit(".", 1)[-1]: v for k, v in served.items()}
         return {**record, "teachers": {"route": self.cfg.teachers.route, **teachers}}, values
-
-
-def resolve_source(key: str, src, cfg) -> str:
-    """The folder (or hub id) of a map entry's teacher: a ``pair`` option's teacher, prepared with
-    its recipe and task (``for_task``), or ``path`` with the run's pair recipe and task."""
-    from opd_exp.pairs.load import resolve_pair
-
-    if src.pair is not None:
-        pair_cfg, task_cfg = pair_option_configs(key, src.pair, cfg.task)
-        value = pair_cfg.teacher
-    else:
-        pair_cfg, task_cfg, value = cfg.model_pair, cfg.task, src.path
-    where = f"{key}.{'pair' if src.pair is not None else 'path'}"
-    try:  # the teacher alone: the student slot names it too, so nothing else is prepared
-        return resolve_pair(dataclasses.replace(pair_cfg, student=value, teacher=value), task_cfg)[1]
-    except ConfigError as ex:
-        raise ConfigError(str(ex).replace("model_pair.student", where).replace("model_pair.teacher", where)) from None
-
-
-def pair_option_configs(key: str, option: str, run_task):
-    """(ModelPairConfig, TaskConfig) of a conf/model_pair option: the task is its ``for_task``
-    option's, else the run's."""
-    from omegaconf import OmegaConf
-
-    from opd_exp.config.folders import CONF_DIR
-    from opd_exp.config.teachers import pair_option
-    from opd_exp.config.world import as_pair_config, as_task_config
-
-    pair_cfg = as_pair_config(OmegaConf.load(pair_option(key, option)))
-    if not pair_cfg.for_task:
-        return pair_cfg, run_task
-    path = CONF_DIR / "task" / f"{pair_cfg.for_task}.yaml"
-    if not path.is_file():
-        raise ConfigError(f"{key}.pair={option!r}: its for_task={pair_cfg.for_task!r} has no conf/task/ file; allowed: a task option")
-    return pair_cfg, as_task_config(OmegaConf.load(path))
-
-
-def load_teacher(key: str, where: str, cfg, pair):
-    """A map teacher's model (frozen), checked against the pair's tokenizer where the pair was
-    loaded from folders (``preflight``), and against its vocabulary always."""
-    from opd_exp.pairs.load import _load_model, preflight
-
-    student_path = getattr(pair, "student_path", None)
-    try:
-        if student_path:
-            preflight(
-                dataclasses.replace(cfg.model_pair, student=student_path, teacher=where), student_path=student_path, teacher_path=where
-            )
-        model = _load_model("model_pair.teacher", where, cfg.model_pair, "cpu")
-    except ConfigError as ex:
-        raise ConfigError(str(ex).replace("model_pair.teacher", key)) from None
-    rows = model.get_output_embeddings().weight.shape[0]
-    if rows < int(pair.vocab_size):
-        raise ConfigError(
-            f"{key}: {where!r} has {rows} output rows but the pair's tokenizer has {pair.vocab_size} tokens; "
-            f"allowed: a teacher that shares the pair's tokenizer"
-        )
-    return model.eval().requires_grad_(False)
-
-
-def content(where: str) -> str:
-    """SHA-256 of a local teacher folder's files, or a hub id itself (its identity)."""
-    return fingerprint.teacher_content(where) if Path(where).is_dir() else where

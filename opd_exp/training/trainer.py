@@ -6,8 +6,8 @@ and the student score the same positions -> objective -> backward (loss divided 
 global response-token count) -> clip, guard, optimizer step -> metrics to the sinks -> eval /
 checkpoint.
 
-Engines are picked once, in ``__init__``, from config: a ``RolloutEngine`` for the student (HF
-``generate`` or vLLM) and one for the teacher, a ``TeacherScorer`` for the teacher's scores
+Engines are picked once, in ``__init__``, from config: a ``RolloutEngine`` for the student (our
+lean decoder, HF ``generate`` or vLLM) and one for the teacher, a ``TeacherScorer`` for the teacher's scores
 (in-process logits, or a served teacher's top-k log-probs: ``teacher`` config group).
 The loop state is one ``TrainState`` saved in every checkpoint; a run started again in a
 folder with a checkpoint resumes from the newest one that loads. Each step re-seeds torch from
@@ -65,7 +65,7 @@ from opd_exp.training.teachers import sparse_teacher_k
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, run_dir: Path, *, pair, task, sinks: list[Sink] | None = None):
+    def __init__(self, cfg: TrainConfig, run_dir: Path, *, pair, task, sinks: list[Sink] | None = None, load_map_teacher=None):  # fmt: skip
         self.cfg = cfg
         tc, sc, ro = cfg.trainer, cfg.scale, cfg.rollout
         if sc.num_threads:
@@ -88,7 +88,8 @@ class Trainer:
         check_step_memory(  # one line now, not an out-of-memory error minutes later
             cfg, self.student, self.vocab_size, self.device, world_size=self.dist.world_size, teacher_here=teacher_device == self.device
         )
-        self.teacher, self.teachers = TeacherSet.load(cfg, pair, teacher_device, splits=dict(training=self.train_problems, eval=eval_set))
+        splits = dict(training=self.train_problems, eval=eval_set)  # what teachers.map routes (checked before its teachers load)
+        self.teacher, self.teachers = TeacherSet.load(cfg, pair, teacher_device, splits, load_map_teacher)
         self.student.train()
         self.autocast = partial(prec.autocast, self.device, sc.precision.value)
         self._progress: Progress | None = None
@@ -104,8 +105,7 @@ class Trainer:
         self.teacher_scorer = self.teachers.scorer(self.tokenizer, self.vocab_size, autocast=self.autocast, warn=self.warn)
         self.monitors = self.teachers.monitors(cfg, self.objective)  # exact/*, entropies, overlap/*, the log-prob gap; teacher/<name>/*
         warn_ignored_generation_settings(pair, self.warn)
-        # The training forward goes through DDP / the FSDP2-sharded model; generate, eval and
-        # checkpoints use the plain module (fully_shard works in place: the same object).
+        # training forwards go through DDP / FSDP2; generate, eval, checkpoints use the plain module (fully_shard: in place)
         self.train_module = dist_util.wrap_student(self.student, self.dist, self.device)
         # the LM head, picked once (scale.fused_lm_head): materialised logits, or chunks from hidden states
         self.head, materialised = build_head(
