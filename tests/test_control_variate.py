@@ -306,3 +306,17 @@ def test_several_ppo_updates_use_the_baselined_advantages(pair_root, tmp_path):
     b_total = sum(out.sums["estimator/baseline"] for out in seen)
     assert second == pytest.approx(baselined, rel=1e-12)
     assert abs(b_total) > 1e-2 and abs(second - (baselined - b_total)) > 1e-2
+
+
+def test_the_sampled_estimator_brings_its_baseline_and_lr_and_a_pair_keeps_its_own_lr():
+    from opd_exp.cli.compose import compose_config
+
+    def chosen(*overrides):
+        cfg = compose_config(*overrides)
+        return cfg.estimator.baseline, cfg.trainer.lr
+
+    assert chosen("estimator=sampled", "loss=ppo") == (Baseline.exact, 1e-3)
+    assert chosen("estimator=full") == (Baseline.none, 3e-3)
+    assert chosen("estimator=sampled", "loss=ppo", "model_pair=smollm2") == (Baseline.exact, 1e-4)  # the pair's own lr
+    assert chosen("estimator=sampled", "loss=ppo", "trainer.lr=3e-3", "estimator.baseline=none") == (Baseline.none, 3e-3)
+    assert chosen("experiment=opd_gsm8k_rkl") == (Baseline.exact, 1e-6)  # an experiment's lr wins
