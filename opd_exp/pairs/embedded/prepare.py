@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opd_exp.config.checks import fail
 from opd_exp.config.world import (
     EmbeddedModelConfig,
     EmbeddedPairConfig,
@@ -91,6 +92,10 @@ def model_key(role: str, pair: EmbeddedPairConfig, task: TaskConfig) -> dict:
 
         plain = model_key(role, dataclasses.replace(pair, recovery=0.0), task)
         return {**plain, "recovery": {"share": pair.recovery, "recipe": RECIPE}}
+    if pair.sft_ops:  # in the key only when set: every other key stays what it was
+        if task.name in EMBEDDED_TASKS:
+            fail("model_pair.embedded.sft_ops", pair.sft_ops, f"null with task={task.name} (operators are arithmetic's)")
+        return {**model_key(role, dataclasses.replace(pair, sft_ops=None), task), "sft_ops": pair.sft_ops}
     if task.name == "multimodal":
         return {
             "world_version": WORLD_VERSION,
@@ -167,7 +172,11 @@ def _sft_data(task: TaskConfig, pair: EmbeddedPairConfig) -> tuple[list, list]:
         return evals, multimodal.train_split(spec, pair.n_sft, seed=10_000 + pair.seed, exclude={p.prompt for p in evals})
     spec = _spec(task)
     evals = eval_split(spec, task.n_eval, task.eval_seed)
-    return evals, train_split(spec, pair.n_sft, seed=10_000 + pair.seed, exclude={p.prompt for p in evals})
+    exclude = {p.prompt for p in evals}
+    if pair.sft_ops:  # an expert: drawn from its operators, checked on the eval problems of its domain
+        spec = dataclasses.replace(spec, ops=pair.sft_ops)
+        evals = [p for p in evals if set(pair.sft_ops) >= {c for c in p.prompt if c in "+-*"}]
+    return evals, train_split(spec, pair.n_sft, seed=10_000 + pair.seed, exclude=exclude)
 
 
 def _build_model(folder: Path, role: str, pair: EmbeddedPairConfig, task: TaskConfig, tok_dir: Path, progress: bool) -> dict:

@@ -1,0 +1,111 @@
+"""The multi-teacher lab (sweeps/sweep/lab_mopd.yaml): its task puts one operator in each problem,
+so ``teachers.route=operator`` gives every prompt a domain; its experts are trained on their
+operators only (``model_pair.embedded.sft_ops``) without ever seeing the task's eval set; and the
+sweep composes into its four arms x three seeds, each naming the teachers its arm needs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+from test_sweeps import compose_job
+
+from opd_exp.config.teachers import OPERATORS
+from opd_exp.config.world import EmbeddedPairConfig, TaskConfig, as_task_config
+from opd_exp.pairs.embedded.prepare import _sft_data, _spec, model_key
+from opd_exp.runtime.errors import ConfigError
+from opd_exp.tasks.arithmetic import eval_split
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = ["mopd_routed", "mopd_generalist", "mopd_addsub_only", "mopd_mul_only"]
+# each arm's teacher of the + and - domain and of the * domain (a conf/model_pair option, or the pair's own)
+TEACHERS = {
+    "mopd_routed": ("pair:embedded_mopd_addsub", "pair:embedded_mopd_mul"),
+    "mopd_generalist": ("path:embedded:teacher", "path:embedded:teacher"),
+    "mopd_addsub_only": ("pair:embedded_mopd_addsub", "pair:embedded_mopd_addsub"),
+    "mopd_mul_only": ("pair:embedded_mopd_mul", "pair:embedded_mopd_mul"),
+}
+
+
+def mopd_task() -> TaskConfig:
+    return as_task_config(OmegaConf.load(ROOT / "conf" / "task" / "mopd.yaml"))
+
+
+def operators(prompt: str) -> set[str]:
+    return {c for c in prompt if c in OPERATORS}
+
+
+def test_every_mopd_problem_has_one_operator_family():
+    task = mopd_task()
+    assert (task.min_operands, task.max_operands, task.max_digits, task.ops) == (2, 2, 2, "+-*")
+    problems = eval_split(_spec(task), task.n_eval, task.eval_seed)
+    assert all(len(operators(p.prompt)) == 1 for p in problems)
+    # the eval split the sweep reports on: 133 prompts of the + and - domain, 67 of the * one
+    assert sum("*" in p.prompt for p in problems) == 67 and len(problems) == 200
+
+
+def test_sft_ops_restricts_the_sft_data_and_still_excludes_the_task_eval_set():
+    task = mopd_task()
+    evals = {p.prompt for p in eval_split(_spec(task), task.n_eval, task.eval_seed)}
+    for ops, n_checks in (("+-", 133), ("*", 67)):
+        checks, sft = _sft_data(task, EmbeddedPairConfig(n_sft=3000, sft_ops=ops))
+        assert all(operators(p.prompt) <= set(ops) for p in sft)
+        assert {o for p in sft for o in operators(p.prompt)} == set(ops)
+        assert not evals & {p.prompt for p in sft}  # never a prompt of the run's eval set
+        assert len(checks) == n_checks and all(operators(p.prompt) <= set(ops) for p in checks)  # checked on its domain
+    checks, sft = _sft_data(task, EmbeddedPairConfig(n_sft=3000))
+    assert len(checks) == 200 and {o for p in sft for o in operators(p.prompt)} == set("+-*")
+
+
+def test_sft_ops_is_in_the_key_only_when_set():
+    task = mopd_task()
+    plain, expert = EmbeddedPairConfig(), EmbeddedPairConfig(sft_ops="*")
+    assert "sft_ops" not in model_key("teacher", plain, task)  # every cached world keeps its key
+    for role in ("teacher", "student"):
+        assert model_key(role, expert, task) == {**model_key(role, plain, task), "sft_ops": "*"}
+    with pytest.raises(
+        ConfigError, match=r"^model_pair.embedded.sft_ops='/' is not allowed; allowed: null \(the task's operators\) or a non-empty"
+    ):
+        EmbeddedPairConfig(sft_ops="/")
+    with pytest.raises(ConfigError, match=r"^model_pair.embedded.sft_ops='\+' is not allowed; allowed: null with task=multimodal"):
+        model_key("teacher", EmbeddedPairConfig(sft_ops="+"), TaskConfig(name="multimodal"))
+
+
+def test_the_experts_are_the_generalist_recipe_on_their_operators():
+    from opd_exp.config.teachers import pair_option
+    from opd_exp.config.world import as_pair_config
+
+    generalist = as_pair_config(OmegaConf.load(pair_option("k", "embedded_mopd")))
+    assert (generalist.for_task, generalist.embedded.sft_ops) == ("mopd", None)
+    for option, ops in (("embedded_mopd_addsub", "+-"), ("embedded_mopd_mul", "*")):
+        expert = as_pair_config(OmegaConf.load(pair_option("k", option)))
+        assert (expert.for_task, expert.embedded.sft_ops) == ("mopd", ops)
+        assert expert.embedded.teacher == generalist.embedded.teacher  # same size, steps, lr, seed
+
+
+def test_the_sweep_composes_four_arms_by_three_seeds():
+    hc, _ = compose_job(["sweep=lab_mopd"])
+    params = {k: str(v).split(",") for k, v in OmegaConf.to_container(hc.sweeper.params).items()}
+    assert params == {"variant": ARMS, "seed": ["0", "1", "2"]}
+    for num, arm in enumerate(ARMS):
+        hc, cfg = compose_job(["sweep=lab_mopd", f"variant={arm}", "seed=2"], job_num=num)
+        assert hc.sweep.subdir == f"{num}_{arm}_seed2" and hc.sweep.dir == "multirun/lab_mopd/embedded_mopd"
+        assert (cfg.task.max_operands, cfg.task.ops, cfg.model_pair.name, cfg.teachers.route) == (2, "+-*", "embedded_mopd", "operator")
+        te = cfg.teachers.map
+        assert list(te) == ["addsub", "mul"] and (te["addsub"].covers, te["mul"].covers) == (["+", "-"], ["*"])
+        named = tuple(f"pair:{s.pair}" if s.pair else f"path:{s.path}" for s in te.values())
+        assert named == TEACHERS[arm]
+        assert (cfg.rollout.on_policy_fraction, cfg.checkpoint.every, cfg.logger.name.value) == (1.0, 0, "none")
+
+
+def test_every_job_of_the_sweep_passes_the_dry_launcher():
+    cmd = [sys.executable, "-m", "opd_exp.cli.train", "-m", "sweep=lab_mopd", "hydra/launcher=dry"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=dict(os.environ, WANDB_MODE="disabled"), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    jobs = [line for line in proc.stdout.splitlines() if line.startswith("opd-train: dry run: job #")]
+    assert len(jobs) == 12 and all(line.endswith(": ok") for line in jobs), proc.stdout
+    assert [sum(f"variant={arm} " in line for line in jobs) for arm in ARMS] == [3, 3, 3, 3]
