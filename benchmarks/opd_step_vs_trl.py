@@ -194,15 +194,13 @@ def build_opd(root: Path, div: str, engine: str, a, monitors: bool = True):
             lr=a.lr,
             warmup_steps=0,
             schedule=S.Schedule.constant,
-            eval_every=0,
-            eval_size=1,
-            save_every=0,
-            device="cpu",
             progress=False,
-            num_threads=1,
             exact_metrics=monitors,
             overlap_k=8 if monitors else 0,
         ),
+        eval=S.EvalConfig(every=0, size=1),
+        checkpoint=S.CheckpointConfig(every=0),
+        scale=S.ScaleConfig(device="cpu", num_threads=1),
         logger=S.LoggerConfig(name=S.LoggerName.none),
     )
     return Trainer(cfg, root / f"opd-{engine}-{div}", pair=pair, task=task)
