@@ -320,3 +320,25 @@ def test_the_sampled_estimator_brings_its_baseline_and_lr_and_a_pair_keeps_its_o
     assert chosen("estimator=sampled", "loss=ppo", "model_pair=smollm2") == (Baseline.exact, 1e-4)  # the pair's own lr
     assert chosen("estimator=sampled", "loss=ppo", "trainer.lr=3e-3", "estimator.baseline=none") == (Baseline.none, 3e-3)
     assert chosen("experiment=opd_gsm8k_rkl") == (Baseline.exact, 1e-6)  # an experiment's lr wins
+
+
+@pytest.mark.parametrize("kind", [Baseline.exact, Baseline.topk])
+@pytest.mark.parametrize("div,credit,top_k", [("rkl", "token", 0), ("jsd", "sequence", 0), ("rkl", "sequence", 5)])
+def test_the_fused_head_gives_the_materialised_baseline(pair64, kind, div, credit, top_k):
+    """The baseline is per position: chunks of positions (the fused head) change nothing."""
+    from test_fused import _assert_equal, _batch, _both_paths
+
+    ro = dict(temperature=0.9, top_k=top_k, top_p=1.0, max_new_tokens=6, max_prompt_tokens=8)
+    est = dict(name="sampled", baseline=kind, k=4)
+    cfg = small_config(divergence=dict(name=div), estimator=est, loss=dict(name="ppo", credit=credit), rollout=ro)
+    batch = _batch(pair64, ro)
+    ref, *rest = _both_paths(pair64, cfg, batch, on_policy=True, chunk=5)
+    assert abs(ref.sums["estimator/baseline"]) > 1e-3
+    _assert_equal(ref, *rest)
+
+
+@pytest.fixture
+def pair64(tiny_pair, float64_default):
+    tiny_pair.student.double()
+    tiny_pair.teacher.double()
+    return tiny_pair
