@@ -15,7 +15,17 @@ from test_sweeps import SWEEPS, compose_job
 
 LAB_SWEEPS = sorted((SWEEPS / "sweep").glob("lab_*.yaml"))
 # the five claims
-CLAIMS = {"lab_kl_direction", "lab_on_policy", "lab_prefix_x_kl", "lab_legacy_jsd", "lab_token_fraction", "lab_early_stop"}
+CLAIMS = {
+    "lab_kl_direction",
+    "lab_on_policy",
+    "lab_prefix_x_kl",
+    "lab_legacy_jsd",
+    "lab_token_fraction",
+    "lab_early_stop",
+    "lab_mopd",
+    "lab_on_policy_mismatch",
+    "lab_fixed_negative",
+}
 
 
 def _params(name: str) -> dict[str, list[str]]:
@@ -75,7 +85,8 @@ TINY = [
 @pytest.mark.parametrize("path", LAB_SWEEPS, ids=lambda p: p.stem)
 def test_lab_sweep_runs_every_variant_for_two_tiny_steps(path, tmp_path):
     name = path.stem
-    env = dict(os.environ, OPD_EXP_CACHE=str(tmp_path / "cache"), WANDB_MODE="disabled")
+    # lab_fixed_negative's teacher-free signal is registered by its plugin only (docs/lab.md)
+    env = dict(os.environ, OPD_EXP_CACHE=str(tmp_path / "cache"), WANDB_MODE="disabled", OPD_PLUGINS="opd_exp.divergences.lab")
     out = tmp_path / "multirun"
     proc = subprocess.run(
         [sys.executable, "-m", "opd_exp.cli.train", "-m", f"sweep={name}", *TINY, f"hydra.sweep.dir={out}"],
