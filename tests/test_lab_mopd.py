@@ -112,6 +112,24 @@ def test_every_job_of_the_sweep_passes_the_dry_launcher():
     assert [sum(f"variant={arm} " in line for line in jobs) for arm in ARMS] == [3, 3, 3, 3]
 
 
+@pytest.mark.parametrize("option", ["embedded_mopd", "embedded_mopd_addsub", "embedded_mopd_mul"])
+def test_the_mopd_world_is_shipped(option):
+    """The generalist pair and both experts (each with the student its option builds beside it) are
+    copied from the package, not built: each teacher is 4000 SFT steps (~35 min on a busy core)."""
+    from opd_exp.config.world import as_pair_config
+    from opd_exp.pairs.embedded import cache
+    from opd_exp.runtime import files
+
+    index = json.loads((cache.SHIPPED_ROOT / cache.SHIPPED_INDEX).read_text())["entries"]
+    pair = as_pair_config(OmegaConf.load(ROOT / "conf" / "model_pair" / f"{option}.yaml")).embedded
+    for role in ("teacher", "student"):
+        name = cache.entry_path(f"embedded-{role}", model_key(role, pair, mopd_task())).name
+        assert name in index, f"{option} {role}: {name} is not shipped"
+        folder = cache.shipped_entry(name)
+        assert folder is not None and cache.check_entry(folder) is None
+        assert files.sha256_file(folder / cache.MANIFEST) == index[name]
+
+
 TINY = [
     "model_pair.embedded.teacher.sft_steps=2",
     "model_pair.embedded.student.sft_steps=2",
@@ -130,27 +148,26 @@ TINY = [
 
 @pytest.mark.slow
 def test_every_arm_runs_two_tiny_steps_with_per_domain_metrics(tmp_path):
-    """Each arm end to end through ``opd-train -m sweep=lab_mopd``, its experts shrunk to 2 SFT
-    steps (a map entry takes a model_pair .yaml file as well as an option)."""
-    tiny = {}
-    for option in ("embedded_mopd_addsub", "embedded_mopd_mul"):
-        cfg = OmegaConf.load(ROOT / "conf" / "model_pair" / f"{option}.yaml")
-        cfg.embedded.merge_with({"n_sft": 64, "n_check": 0, "threads": 1, "teacher": {"sft_steps": 2}})
-        tiny[option] = tmp_path / f"{option}.yaml"
-        OmegaConf.save(cfg, tiny[option])
+    """Each arm end to end through ``opd-train -m sweep=lab_mopd`` on a fresh cache: the experts
+    are copied from the package, the run's own pair is shrunk to 2 SFT steps."""
     env = dict(os.environ, OPD_EXP_CACHE=str(tmp_path / "cache"), WANDB_MODE="disabled")
-    for num, arm in enumerate(ARMS):
-        pairs = [(d, t.split(":", 1)[1]) for d, t in zip(("addsub", "mul"), TEACHERS[arm]) if t.startswith("pair:")]
-        out = tmp_path / arm
-        cmd = [sys.executable, "-m", "opd_exp.cli.train", "-m", "sweep=lab_mopd", f"variant={arm}", "seed=0", *TINY]
-        cmd += [f"teachers.map.{d}.pair={tiny[p]}" for d, p in pairs] + [f"hydra.sweep.dir={out}"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        (job,) = [p for p in out.iterdir() if p.is_dir()]
-        assert job.name == f"0_{arm}_seed0", num
-        rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    out = tmp_path / "multirun"
+    cmd = [sys.executable, "-m", "opd_exp.cli.train", "-m", "sweep=lab_mopd", "seed=0", *TINY, f"hydra.sweep.dir={out}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    builds = [line for line in proc.stderr.splitlines() if "opd-exp: building the embedded" in line]
+    assert builds and all("(2 SFT steps" in line for line in builds), builds  # only the run's tiny pair is built
+    jobs = sorted(p.name for p in out.iterdir() if p.is_dir())
+    assert jobs == [f"{num}_{arm}_seed0" for num, arm in enumerate(ARMS)]
+    for job in jobs:
+        rows = [json.loads(line) for line in (out / job / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [0, 1, 2]
         for d in ("addsub", "mul"):
             assert 0.0 <= rows[0][f"eval/teacher/{d}/teacher_accuracy"] <= 1.0
             assert 0.0 <= rows[-1][f"eval/teacher/{d}/accuracy"] <= 1.0
         assert sum(rows[1][f"teacher/{d}/token_share"] for d in ("addsub", "mul")) == pytest.approx(1.0)
+    # each domain's teacher as the arm routes it: the expert of a domain is far ahead of the other expert there
+    teachers = {job: json.loads((out / job / "metrics.jsonl").read_text().splitlines()[0]) for job in jobs}
+    routed, addsub_only, mul_only = (teachers[jobs[i]] for i in (0, 2, 3))
+    assert routed["eval/teacher/addsub/teacher_accuracy"] > mul_only["eval/teacher/addsub/teacher_accuracy"]
+    assert routed["eval/teacher/mul/teacher_accuracy"] > addsub_only["eval/teacher/mul/teacher_accuracy"]
