@@ -39,7 +39,7 @@ def test_the_sweep_composes_its_arms_by_three_seeds(sweep):
     assert _params(sweep) == {"variant": SWEEPS[sweep], "seed": ["0", "1", "2"]}
     for num, arm in enumerate(SWEEPS[sweep]):
         hc, cfg = compose_job([f"sweep={sweep}", f"variant={arm}", "seed=1"], job_num=num)
-        assert (hc.sweep.dir, hc.sweep.subdir) == (f"multirun/lab_reward_vs_opd/{PAIRS[sweep]}", f"{num}_{arm}_seed1")
+        assert (hc.sweep.dir, hc.sweep.subdir) == (f"multirun/{sweep}/{PAIRS[sweep]}", f"{num}_{arm}_seed1")
         got = (
             cfg.estimator.name.value,
             cfg.loss.name.value,
