@@ -4,7 +4,9 @@
 
 Default: the lab's mismatch world (``model_pair=embedded_chain_recovery task=chain``); pass
 ``model_pair=embedded_chain`` for the old chain world. Overrides are the ``model_pair.*`` /
-``task.*`` keys ``opd-prepare`` accepts. Prints one line per statistic.
+``task.*`` keys ``opd-prepare`` accepts. ``--student DIR`` measures a trained student instead of
+the prepared one: a run's checkpoint folder (``<run>/checkpoints/step_000300``), its weights on
+the prepared student's architecture. Prints one line per statistic.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--n", type=int, default=200, help="eval problems (a prefix of the eval split)")
     ap.add_argument("--k", type=int, default=4, help="samples per model and prompt")
     ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--student", default=None, help="a run's checkpoint folder (model.safetensors) to measure instead")
     args, overrides = ap.parse_known_args(argv)
     torch.set_num_threads(1)
     pair_cfg, task_cfg = _parse_overrides(["model_pair=embedded_chain_recovery", "task=chain", *overrides])
@@ -35,6 +38,11 @@ def main(argv: list[str]) -> None:
     tok = load_tokenizer(pair.tokenizer)
     task = build_task(task_cfg)
     student, teacher = load_model(pair.student).eval(), load_model(pair.teacher).eval()
+    if args.student:
+        from safetensors.torch import load_model as load_weights
+
+        # strict (the default): a checkpoint of another architecture is an error, never a partial load
+        load_weights(student, f"{args.student}/model.safetensors")
     started = time.perf_counter()
     out = state_mismatch(student, teacher, tok, task, task.eval_problems()[: args.n], k=args.k, max_new_tokens=args.max_new_tokens)
     print(f"{pair_cfg.name}: {args.n} eval problems, k={args.k} samples per model ({time.perf_counter() - started:.1f} s)")

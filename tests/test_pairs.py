@@ -220,3 +220,28 @@ def test_embedded_pair_loads_through_the_same_path(tmp_path, monkeypatch):
     assert (pair.student_path, pair.teacher_path) == (student_path, teacher_path)
     assert pair.vocab_size == len(pair.tokenizer) == 259 and pair.tokenizer.pad_token_id == 0
     assert not pair.teacher.training and pair.student.training
+
+
+def test_a_pair_named_by_its_teacher_alone_prepares_no_student(tmp_path, monkeypatch):
+    """A model_pair option used as one teacher of a map names its teacher in both slots: its
+    student recipe is never built (only the tokenizer and the teacher enter the cache)."""
+    import dataclasses
+
+    from opd_exp.config.world import EmbeddedPairConfig, TaskConfig
+
+    monkeypatch.setenv("OPD_EXP_CACHE", str(tmp_path))
+    tiny = dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, sft_steps=3, batch_size=4)
+    cfg = ModelPairConfig(
+        embedded=EmbeddedPairConfig(
+            teacher=EmbeddedModelConfig(**tiny), student=EmbeddedModelConfig(**tiny), n_sft=16, n_check=4, threads=1
+        )
+    )
+    task = TaskConfig(n_train=5, n_eval=10)
+    alone = dataclasses.replace(cfg, student="embedded:teacher", teacher="embedded:teacher")
+    student_path, teacher_path = resolve_pair(alone, task, progress=False)
+    assert student_path == teacher_path and Path(teacher_path).name.startswith("embedded-teacher-")
+    kinds = sorted(p.name.split("-")[1] for p in tmp_path.iterdir() if p.name.startswith("embedded-"))
+    assert kinds == ["teacher", "tokenizer"]
+    # the whole pair afterwards reuses that teacher and builds the student
+    assert resolve_pair(cfg, task, progress=False)[1] == teacher_path
+    assert sorted(p.name.split("-")[1] for p in tmp_path.iterdir() if p.name.startswith("embedded-")) == ["student", "teacher", "tokenizer"]

@@ -57,6 +57,9 @@ def resolve_pair(pair_cfg: Any, task_cfg: Any = None, *, progress: bool = True) 
     cfg = as_pair_config(pair_cfg)
     out = []
     embedded = smollm2 = None
+    # only the roles named are prepared: a map teacher names its teacher in both slots
+    named = [v[len(EMBEDDED_PREFIX) :] for v in (cfg.teacher, cfg.student) if v.startswith(EMBEDDED_PREFIX)]
+    embedded_roles = tuple(dict.fromkeys(r for r in named if r in EMBEDDED_ROLES))
     for key in ("student", "teacher"):
         value = getattr(cfg, key)
         if value.startswith(EMBEDDED_PREFIX):
@@ -66,7 +69,7 @@ def resolve_pair(pair_cfg: Any, task_cfg: Any = None, *, progress: bool = True) 
             if embedded is None:
                 from opd_exp.pairs.embedded.prepare import prepare_embedded
 
-                embedded = prepare_embedded(cfg.embedded, task_cfg, progress=progress)
+                embedded = prepare_embedded(cfg.embedded, task_cfg, progress=progress, roles=embedded_roles)
             out.append(str(getattr(embedded, role)))
         elif value.startswith(SMOLLM2_PREFIX):
             from opd_exp.pairs.smollm2 import ROLES, prepare_smollm2

@@ -11,6 +11,10 @@ prompts, with k temperature-1 samples of each model per prompt (fixed row seeds)
 * ``teacher_samples_off_reference`` share of teacher samples that differ from the reference
   solution (the teacher's own slips);
 * ``teacher_samples_corrected`` share of teacher samples with a correction marker (``!``);
+* ``student_samples_corrected`` the same for the student's samples, and
+  ``student_corrections_right`` the share of those that end in the right answer (whether a
+  distilled student picked up the teacher's guidance from its own slips);
+* ``student_samples_right``   share of the student's samples with the right answer;
 * ``teacher_recovers``    the teacher's greedy continuation of each student sample cut after
   the step in which it left the teacher's paths: the share that ends in the right answer
   (``n_recover`` such prefixes).
@@ -108,12 +112,16 @@ def state_mismatch(
     continued = _greedy(t_engine, tokenizer, cut_prompts, batch)
     recovered = sum(bool(task.verify(pre + c, a)) for pre, c, a in zip(cut_prefixes, continued, cut_answers))
     n_samples = len(problems) * k
+    corrected = [(t, p.answer) for p, ts in zip(problems, s_texts) for t in ts if MARK in t]
     return {
         "student_states_off": off_states / max(states, 1),
         "student_samples_off": off_samples / max(n_samples, 1),
         "teacher_samples_off_reference": sum(t != p.solution for p, ts in zip(problems, t_texts) for t in ts) / max(n_samples, 1),
         "teacher_samples_corrected": sum(MARK in t for ts in t_texts for t in ts) / max(n_samples, 1),
         "teacher_recovers": recovered / max(len(cut_prompts), 1),
+        "student_samples_right": sum(bool(task.verify(t, p.answer)) for p, ts in zip(problems, s_texts) for t in ts) / max(n_samples, 1),
+        "student_samples_corrected": len(corrected) / max(n_samples, 1),
+        "student_corrections_right": sum(bool(task.verify(t, a)) for t, a in corrected) / max(len(corrected), 1),
         "n_recover": len(cut_prompts),
         "n_samples": n_samples,
     }

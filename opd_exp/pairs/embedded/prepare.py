@@ -50,7 +50,7 @@ EMBEDDED_TASKS = ("multimodal",)
 
 @dataclass
 class PreparedPair:
-    student: Path  # HF folder of the warmed-up student (weights, config, tokenizer)
+    student: Path | None  # HF folder of the warmed-up student (None when only the teacher was asked for)
     teacher: Path  # HF folder of the trained teacher
     tokenizer: Path  # HF folder of the shared tokenizer
     info: dict  # manifest "info" of each model: accuracy, format_rate, seconds, params
@@ -223,11 +223,19 @@ def _build_model(folder: Path, role: str, pair: EmbeddedPairConfig, task: TaskCo
     }
 
 
-def prepare_embedded(pair_cfg: Any = None, task_cfg: Any = None, *, progress: bool = True, force: bool = False) -> PreparedPair:
+def prepare_embedded(
+    pair_cfg: Any = None,
+    task_cfg: Any = None,
+    *,
+    progress: bool = True,
+    force: bool = False,
+    roles: tuple[str, ...] = ("teacher", "student"),
+) -> PreparedPair:
     """Build (or load from the cache) the embedded tokenizer, teacher and student.
 
     ``pair_cfg`` is an ``EmbeddedPairConfig`` or a ``ModelPairConfig`` (its ``embedded``);
-    ``force`` discards existing entries first.
+    ``force`` discards existing entries first; ``roles`` narrows what is prepared (a pair option
+    used as one teacher of a map needs no student of its own).
     """
     if pair_cfg is None:
         pair = EmbeddedPairConfig()
@@ -236,7 +244,7 @@ def prepare_embedded(pair_cfg: Any = None, task_cfg: Any = None, *, progress: bo
     else:
         pair = as_pair_config(pair_cfg).embedded
     task = world_task_config(task_cfg)
-    keys = {"tokenizer": tokenizer_key(), "teacher": model_key("teacher", pair, task), "student": model_key("student", pair, task)}
+    keys = {"tokenizer": tokenizer_key(), **{role: model_key(role, pair, task) for role in roles}}
     if force:
         for kind, key in keys.items():
             files.discard(cache.entry_path(f"embedded-{kind}", key))
@@ -244,7 +252,7 @@ def prepare_embedded(pair_cfg: Any = None, task_cfg: Any = None, *, progress: bo
         # --force builds from scratch; otherwise a recipe the package ships is copied, not built
         tok_dir = cache.get_or_build("embedded-tokenizer", keys["tokenizer"], _build_tokenizer, shipped=not force)
         folders = {}
-        for role in ("teacher", "student"):
+        for role in roles:
             entry = cache.entry_path(f"embedded-{role}", keys[role])
             if cache.check_entry(entry) is not None and (force or cache.shipped_entry(entry.name) is None):
                 announce(build_announcement(role, getattr(pair, role), keys[role]))
@@ -258,7 +266,7 @@ def prepare_embedded(pair_cfg: Any = None, task_cfg: Any = None, *, progress: bo
         role: {**cache.read_manifest(folders[role]).get("info", {}), "hash": cache.read_manifest(folders[role]).get("hash")}
         for role in folders
     }
-    return PreparedPair(student=folders["student"], teacher=folders["teacher"], tokenizer=tok_dir, info=info)
+    return PreparedPair(student=folders.get("student"), teacher=folders["teacher"], tokenizer=tok_dir, info=info)
 
 
 def announce(line: str) -> None:

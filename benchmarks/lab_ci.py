@@ -1,0 +1,102 @@
+"""Lab tables with paired differences (docs/lab.md: lab_reward_vs_opd*, lab_on_policy_mismatch).
+
+    python benchmarks/lab_ci.py multirun/lab_reward_vs_opd/embedded_warm [more sweep folders] \\
+        [--base opd] [--at 0.2 --at 0.25] [--metric eval/accuracy ...]
+
+Per folder: final eval values per arm, mean ± 95% CI over seeds (Student's t); the mean eval
+accuracy over all evals after step 0 (the area under the curve, less noisy than one eval); per
+seed the first eval step whose greedy accuracy reaches each ``--at`` level ("-" if it never
+does), and each arm's difference from the ``--base`` arm computed per seed (the seeds share
+their prompts and sampling seeds), mean ± 95% CI. An arm is its sweep override without
+``variant=`` (``opd``, ``rollout.on_policy_fraction=0.0``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from pathlib import Path
+
+from opd_exp.analysis import group_by_variant, load_runs
+
+# two-sided 95% Student's t quantiles by degrees of freedom
+T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
+METRICS = ["eval/accuracy", "eval/kl_reverse", "eval/kl_forward", "reward/mean"]
+
+
+def ci95(xs: list[float]) -> str:
+    xs = [x for x in xs if x is not None and math.isfinite(x)]
+    if not xs:
+        return "-"
+    m = sum(xs) / len(xs)
+    if len(xs) == 1:
+        return f"{m:.3f}"
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
+    return f"{m:.3f} ± {T95.get(len(xs) - 1, 1.96) * sd / math.sqrt(len(xs)):.3f}"
+
+
+def label(variant: str) -> str:
+    return variant.replace("variant=", "")
+
+
+def mean_after_start(run, metric: str = "eval/accuracy") -> float | None:
+    """Mean of the metric over the evals after step 0."""
+    xs = [v for s, v in run.get(metric) if s > 0]
+    return sum(xs) / len(xs) if xs else None
+
+
+def final_mean(run, metric: str, last: int = 50) -> float | None:
+    """A per-step training metric (reward/mean) averaged over its last ``last`` logged steps."""
+    xs = [v for _, v in run.get(metric)][-last:]
+    return sum(xs) / len(xs) if xs else None
+
+
+def first_reach(run, level: float) -> int | None:
+    return next((s for s, v in run.get("eval/accuracy") if v >= level - 1e-12), None)
+
+
+def report(folder: Path, levels: list[float], metrics: list[str], base_arm: str) -> None:
+    groups = {label(k): v for k, v in group_by_variant(load_runs(folder)).items()}
+    print(f"\n## {folder}\n")
+    head = ["arm", "seeds", "step 0 accuracy", *metrics, "mean accuracy over the evals after step 0"]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for arm, rs in groups.items():
+        cells = [ci95([(final_mean(r, m) if m.startswith("reward/") else r.final(m)) for r in rs]) for m in metrics]
+        row = [arm, ",".join(str(r.seed) for r in rs), ci95([r.first("eval/accuracy") for r in rs]), *cells]
+        print("| " + " | ".join([*row, ci95([mean_after_start(r) for r in rs])]) + " |")
+    if levels:
+        print("\nfirst eval step with greedy accuracy >= level, per seed:\n")
+        head = ["arm", *[f">= {x:g}" for x in levels]]
+        print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+        for arm, rs in groups.items():
+            cells = [", ".join(str(first_reach(r, x)) if first_reach(r, x) is not None else "-" for r in rs) for x in levels]
+            print("| " + " | ".join([arm, *cells]) + " |")
+    base = {r.seed: r for r in groups.get(base_arm, [])}
+    if base:
+        print(f"\ndifference from {base_arm}, per seed, then mean ± 95% CI:\n")
+        head = ["arm", "final accuracy", "mean accuracy over the evals after step 0", "final eval/kl_reverse"]
+        print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+        for arm, rs in groups.items():
+            if arm == base_arm:
+                continue
+            pairs = [(r, base[r.seed]) for r in rs if r.seed in base]
+            cols = []
+            for get in (lambda r: r.final("eval/accuracy"), mean_after_start, lambda r: r.final("eval/kl_reverse")):
+                d = [get(a) - get(b) for a, b in pairs]
+                cols.append(f"{ci95(d)} ({', '.join(f'{x:+.3f}' for x in d)})")
+            print("| " + " | ".join([arm, *cols]) + " |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("folders", nargs="+", type=Path)
+    p.add_argument("--at", type=float, action="append", default=None, help="accuracy levels for 'steps to reach'")
+    p.add_argument("--metric", action="append", default=None)
+    p.add_argument("--base", default="opd", help="the arm the per-seed differences are taken from")
+    args = p.parse_args()
+    for folder in args.folders:
+        report(folder, args.at or [0.2], args.metric or METRICS, args.base)
+
+
+if __name__ == "__main__":
+    main()
