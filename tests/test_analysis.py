@@ -165,6 +165,30 @@ def test_format_table_text_markdown_csv(tmp_path):
     assert csv[1].startswith(f"{RKL},0 1 2,3,rkl,0.1,0,0.51,0.01,0.41,")
 
 
+def test_a_teacher_far_above_the_students_does_not_squash_their_curves(tmp_path):
+    """Students at 0.10-0.15 and a teacher at 0.9: the accuracy panel keeps the students' range
+    and the legend says the teacher is above it; a teacher within reach is drawn inside."""
+    pytest.importorskip("matplotlib")
+    from helpers.synthetic_runs import metrics_rows, write_run
+
+    for name, base in (("far", 0.15), ("near", 0.6)):
+        folder = tmp_path / name
+        for seed in (0, 1):
+            rows = metrics_rows(base, 0.01, seed)
+            for r in rows:  # a flat student: every eval at the start's level up to the last
+                if "eval/accuracy" in r and r["step"] != rows[-1]["step"]:
+                    r["eval/accuracy"] = 0.1
+            write_run(folder / str(seed), ["divergence=rkl", f"seed={seed}"], rows, seed)
+        fig = plot_curves(load_runs(folder), metrics=["eval/accuracy"], smooth=False, title="t")
+        ax = fig.get_axes()[0]
+        label = [t.get_text() for t in fig.legends[0].get_texts()][-1]
+        if name == "far":
+            assert label == "teacher (0.90, above the panel)"
+            assert ax.get_ylim()[1] < 0.3  # the students' 0.10-0.16 fill the panel
+        else:
+            assert label == "teacher (0.90)" and ax.get_ylim()[1] > 0.9
+
+
 def test_latest_multirun(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert latest_multirun() is None

@@ -774,7 +774,14 @@ def plot_curves(
         if metric == "eval/accuracy" and teacher:
             t = mean_std(r.final("eval/teacher_accuracy") for r in runs)
             if t[2]:
-                ax.axhline(t[0], color="0.3", linestyle="--", linewidth=1, label=f"teacher ({t[0]:.2f})")
+                lo, hi = ax.get_ylim()
+                # a teacher far above the students would squash their curves into a band: keep
+                # the students' range and say where the teacher is
+                far = bool(ax.lines) and t[0] > hi + (hi - lo)
+                where = ", above the panel" if far else ""
+                ax.axhline(t[0], color="0.3", linestyle="--", linewidth=1, label=f"teacher ({t[0]:.2f}{where})")
+                if far:
+                    ax.set_ylim(lo, hi)
         span = max(spans, default=1.0)
         ax.set_title(metric_label(metric) + (f" (EMA, span {span:.0f} steps)" if span >= 1.5 else ""))
         ax.set_xlabel("training step")
