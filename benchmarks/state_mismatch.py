@@ -47,7 +47,8 @@ def main(argv: list[str]) -> None:
     out = state_mismatch(student, teacher, tok, task, task.eval_problems()[: args.n], k=args.k, max_new_tokens=args.max_new_tokens)
     print(f"{pair_cfg.name}: {args.n} eval problems, k={args.k} samples per model ({time.perf_counter() - started:.1f} s)")
     for key, value in out.items():
-        print(f"  {key:32s} {value:.4f}" if isinstance(value, float) else f"  {key:32s} {value}")
+        small = isinstance(value, float) and 0 < abs(value) < 1e-3  # a probability near 0 keeps its size
+        print(f"  {key:32s} {value:.2e}" if small else f"  {key:32s} {value:.4f}" if isinstance(value, float) else f"  {key:32s} {value}")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,9 @@ prompts, with k temperature-1 samples of each model per prompt (fixed row seeds)
   ``student_corrections_right`` the share of those that end in the right answer (whether a
   distilled student picked up the teacher's guidance from its own slips);
 * ``student_samples_right``   share of the student's samples with the right answer;
+* ``teacher_mark_prob`` / ``student_mark_prob`` each model's mean probability of the marker as
+  the next token at the student's slipped prefixes above (cut before the step's ``;``): how
+  strongly the teacher signals "correct here", and how much of that the student has taken up;
 * ``teacher_recovers``    the teacher's greedy continuation of each student sample cut after
   the step in which it left the teacher's paths: the share that ends in the right answer
   (``n_recover`` such prefixes).
@@ -66,6 +69,18 @@ def _greedy(engine, tokenizer, prompts: Sequence[str], batch: int) -> list[str]:
     for start in range(0, len(prompts), batch):
         out += decode_responses(tokenizer, engine.generate(list(prompts[start : start + batch]), greedy=True))
     return out
+
+
+def _next_prob(model, tokenizer, texts: Sequence[str], token: str) -> float:
+    """Mean probability of ``token`` as the next token after each of ``texts``, one unpadded
+    row at a time (no padding, so positions are the generation's)."""
+    ids = tokenizer(token, add_special_tokens=False)["input_ids"]
+    assert len(ids) == 1, f"{token!r} is not one token"
+    total = 0.0
+    for text in texts:
+        row = torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+        total += torch.softmax(model(row).logits[0, -1].double(), -1)[ids[0]].item()
+    return total / max(len(texts), 1)
 
 
 def leave_point(text: str, paths: Sequence[str]) -> int | None:
@@ -122,6 +137,8 @@ def state_mismatch(
         "student_samples_right": sum(bool(task.verify(t, p.answer)) for p, ts in zip(problems, s_texts) for t in ts) / max(n_samples, 1),
         "student_samples_corrected": len(corrected) / max(n_samples, 1),
         "student_corrections_right": sum(bool(task.verify(t, a)) for t, a in corrected) / max(len(corrected), 1),
+        "teacher_mark_prob": _next_prob(teacher, tokenizer, cut_prompts, MARK),
+        "student_mark_prob": _next_prob(student, tokenizer, cut_prompts, MARK),
         "n_recover": len(cut_prompts),
         "n_samples": n_samples,
     }
