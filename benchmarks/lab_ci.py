@@ -56,7 +56,11 @@ def first_reach(run, level: float) -> int | None:
 
 
 def report(folder: Path, levels: list[float], metrics: list[str], base_arm: str) -> None:
-    groups = {label(k): v for k, v in group_by_variant(load_runs(folder)).items()}
+    runs = load_runs(folder)
+    unfinished = [f"{r.path.name} ({r.status()})" for r in runs if not r.finished]
+    if unfinished:  # a job still running (or stopped) would enter the table with its last eval
+        raise SystemExit(f"{folder}: unfinished jobs, no table: {', '.join(unfinished)}")
+    groups = {label(k): v for k, v in group_by_variant(runs).items()}
     print(f"\n## {folder}\n")
     head = ["arm", "seeds", "step 0 accuracy", *metrics, "mean accuracy over the evals after step 0"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
@@ -71,15 +75,15 @@ def report(folder: Path, levels: list[float], metrics: list[str], base_arm: str)
         for arm, rs in groups.items():
             cells = [", ".join(str(first_reach(r, x)) if first_reach(r, x) is not None else "-" for r in rs) for x in levels]
             print("| " + " | ".join([arm, *cells]) + " |")
-    base = {r.seed: r for r in groups.get(base_arm, [])}
-    if base:
+    diffs = [(arm, rs, base_of(arm, base_arm)) for arm, rs in groups.items()]
+    diffs = [(arm, rs, base) for arm, rs, base in diffs if base != arm and base in groups]
+    if diffs:
         print(f"\ndifference from {base_arm}, per seed, then mean ± 95% CI:\n")
         head = ["arm", "final accuracy", "mean accuracy over the evals after step 0", "final eval/kl_reverse"]
         print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
-        for arm, rs in groups.items():
-            if arm == base_arm:
-                continue
-            pairs = [(r, base[r.seed]) for r in rs if r.seed in base]
+        for arm, rs, base in diffs:
+            by_seed = {r.seed: r for r in groups[base]}
+            pairs = [(r, by_seed[r.seed]) for r in rs if r.seed in by_seed]
             cols = []
             for get in (lambda r: r.final("eval/accuracy"), mean_after_start, lambda r: r.final("eval/kl_reverse")):
                 d = [get(a) - get(b) for a, b in pairs]
@@ -87,12 +91,25 @@ def report(folder: Path, levels: list[float], metrics: list[str], base_arm: str)
             print("| " + " | ".join([arm, *cols]) + " |")
 
 
+def base_of(arm: str, base: str) -> str:
+    """The arm an arm is compared with: ``base`` itself, or for ``key=value`` the arm's own
+    overrides with that key set to that value (``divergence=fkl,rollout.on_policy_fraction=1.0``
+    -> ``divergence=fkl,rollout.on_policy_fraction=0.0``)."""
+    key, sep, _ = base.partition("=")
+    parts = arm.split(",")
+    if not sep or not any(p.startswith(key + "=") for p in parts):
+        return base
+    return ",".join(base if p.startswith(key + "=") else p for p in parts)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("folders", nargs="+", type=Path)
     p.add_argument("--at", type=float, action="append", default=None, help="accuracy levels for 'steps to reach'")
     p.add_argument("--metric", action="append", default=None)
-    p.add_argument("--base", default="opd", help="the arm the per-seed differences are taken from")
+    p.add_argument(
+        "--base", default="opd", help="the arm the per-seed differences are taken from, or key=value: each arm with that key set so"
+    )
     args = p.parse_args()
     for folder in args.folders:
         report(folder, args.at or [0.2], args.metric or METRICS, args.base)

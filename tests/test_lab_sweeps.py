@@ -13,6 +13,8 @@ import pytest
 from omegaconf import OmegaConf
 from test_sweeps import SWEEPS, compose_job
 
+DOCS = SWEEPS.parent / "docs"
+
 LAB_SWEEPS = sorted((SWEEPS / "sweep").glob("lab_*.yaml"))
 # the issue's five claims
 CLAIMS = {  # every lab sweep answers one claim in docs/lab.md
@@ -40,6 +42,17 @@ def test_every_claim_has_a_lab_sweep_with_three_seeds():
     assert names <= CLAIMS and len(names) >= 9, names  # no lab sweep without its claim
     for path in LAB_SWEEPS:
         assert _params(path.stem)["seed"] == ["0", "1", "2"]
+
+
+def test_every_lab_sweep_has_a_verdict_and_a_section_in_the_lab_notes():
+    """docs/lab.md: a row of the claims table with a bold verdict, and a section naming it."""
+    text = (DOCS / "lab.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| ") and line.count("|") >= 4]
+    for path in LAB_SWEEPS:
+        name = f"`{path.stem}`"
+        row = [r for r in rows if r.split("|")[2].strip() == name]
+        assert len(row) == 1 and "**" in row[0].split("|")[3], f"{path.stem}: no verdict row in docs/lab.md"
+        assert any(line.startswith("#") and name in line for line in text.splitlines()), f"{path.stem}: no section"
 
 
 def test_lab_sweeps_pick_what_their_claims_need():

@@ -171,6 +171,26 @@ def test_the_old_chain_teacher_does_not_guide_the_same_student_back(mismatch):
     assert new["teacher_recovers"] - old["teacher_recovers"] > 0.4
 
 
+def test_only_forward_kl_reaches_a_token_the_student_gives_no_mass():
+    """Why the on-policy jsd student of lab_on_policy_mismatch never takes up the correction:
+    at its slips the teacher puts 0.77 on the marker and the student 2.5e-7. The logit
+    gradient of jsd (and rkl) on that token scales with the student's own probability of it;
+    forward KL's is S - T. Exact, float64, the divergences' own full path."""
+    from opd_exp.divergences.catalog import get_divergence
+
+    s = torch.tensor([[1 - 2.5e-7, 2.5e-7]], dtype=torch.float64)
+    t = torch.tensor([[0.23, 0.77]], dtype=torch.float64)
+    grads = {}
+    for name, kw in (("jsd", {"beta": 0.5}), ("fkl", {}), ("rkl", {})):
+        z = s.log().clone().requires_grad_(True)
+        get_divergence(name, **kw).full(z, t.log()).sum().backward()
+        grads[name] = z.grad[0, 1].item()
+    assert grads["fkl"] == pytest.approx(2.5e-7 - 0.77, rel=1e-12)
+    # a factor S on that logit (with S -> 0: |grad| ~ S log(1/S)), six orders below forward KL
+    assert -1e-5 < grads["jsd"] < 0 and -1e-5 < grads["rkl"] < 0
+    assert grads["fkl"] / grads["jsd"] > 1e5
+
+
 # -- the fixed-negative signal -----------------------------------------------------------
 
 
