@@ -242,6 +242,10 @@ def test_a_pair_named_by_its_teacher_alone_prepares_no_student(tmp_path, monkeyp
     assert student_path == teacher_path and Path(teacher_path).name.startswith("embedded-teacher-")
     kinds = sorted(p.name.split("-")[1] for p in tmp_path.iterdir() if p.name.startswith("embedded-"))
     assert kinds == ["teacher", "tokenizer"]
-    # the whole pair afterwards reuses that teacher and builds the student
-    assert resolve_pair(cfg, task, progress=False)[1] == teacher_path
+    # an embedded student beside a teacher from elsewhere prepares the student alone
+    mixed = dataclasses.replace(cfg, student="embedded:student", teacher=teacher_path)
+    student_path, other = resolve_pair(mixed, task, progress=False)
+    assert Path(student_path).name.startswith("embedded-student-") and other == teacher_path
+    # the whole pair afterwards reuses both entries
+    assert resolve_pair(cfg, task, progress=False) == (student_path, teacher_path)
     assert sorted(p.name.split("-")[1] for p in tmp_path.iterdir() if p.name.startswith("embedded-")) == ["student", "teacher", "tokenizer"]

@@ -50,8 +50,8 @@ EMBEDDED_TASKS = ("multimodal",)
 
 @dataclass
 class PreparedPair:
-    student: Path | None  # HF folder of the warmed-up student (None when only the teacher was asked for)
-    teacher: Path  # HF folder of the trained teacher
+    student: Path | None  # HF folder of the warmed-up student (None when ``roles`` left it out)
+    teacher: Path | None  # HF folder of the trained teacher (None when ``roles`` left it out)
     tokenizer: Path  # HF folder of the shared tokenizer
     info: dict  # manifest "info" of each model: accuracy, format_rate, seconds, params
 
@@ -266,7 +266,7 @@ def prepare_embedded(
         role: {**cache.read_manifest(folders[role]).get("info", {}), "hash": cache.read_manifest(folders[role]).get("hash")}
         for role in folders
     }
-    return PreparedPair(student=folders.get("student"), teacher=folders["teacher"], tokenizer=tok_dir, info=info)
+    return PreparedPair(student=folders.get("student"), teacher=folders.get("teacher"), tokenizer=tok_dir, info=info)
 
 
 def announce(line: str) -> None:
