@@ -6,33 +6,20 @@
 Per folder: final eval values per arm, mean ± 95% CI over seeds (Student's t); the mean eval
 accuracy over all evals after step 0 (the area under the curve, less noisy than one eval); per
 seed the first eval step whose greedy accuracy reaches each ``--at`` level ("-" if it never
-does), and each arm's difference from the ``--base`` arm computed per seed (the seeds share
-their prompts and sampling seeds), mean ± 95% CI. An arm is its sweep override without
+does), and each arm's difference from the ``--base`` arm, paired by seed (the two runs of a seed
+share the seed of their prompt order and sampling), mean ± 95% CI. An arm is its sweep override without
 ``variant=`` (``opd``, ``rollout.on_policy_fraction=0.0``).
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 from pathlib import Path
 
-from opd_exp.analysis import group_by_variant, load_runs
+from opd_exp.analysis import AnalysisError, group_by_variant, load_runs
+from opd_exp.analysis import format_ci95 as ci95
 
-# two-sided 95% Student's t quantiles by degrees of freedom
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 METRICS = ["eval/accuracy", "eval/kl_reverse", "eval/kl_forward", "reward/mean"]
-
-
-def ci95(xs: list[float]) -> str:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    if not xs:
-        return "-"
-    m = sum(xs) / len(xs)
-    if len(xs) == 1:
-        return f"{m:.3f}"
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
-    return f"{m:.3f} ± {T95.get(len(xs) - 1, 1.96) * sd / math.sqrt(len(xs)):.3f}"
 
 
 def label(variant: str) -> str:
@@ -56,11 +43,16 @@ def first_reach(run, level: float) -> int | None:
 
 
 def report(folder: Path, levels: list[float], metrics: list[str], base_arm: str) -> None:
-    runs = load_runs(folder)
+    try:
+        runs = load_runs(folder)
+    except AnalysisError as exc:
+        raise SystemExit(f"lab_ci: {exc}") from None
     unfinished = [f"{r.path.name} ({r.status()})" for r in runs if not r.finished]
     if unfinished:  # a job still running (or stopped) would enter the table with its last eval
         raise SystemExit(f"{folder}: unfinished jobs, no table: {', '.join(unfinished)}")
     groups = {label(k): v for k, v in group_by_variant(runs).items()}
+    if "=" not in base_arm and base_arm not in groups:  # a typo would silently drop the differences
+        raise SystemExit(f"--base {base_arm!r}: no such arm in {folder}; arms: {', '.join(groups)}")
     print(f"\n## {folder}\n")
     head = ["arm", "seeds", "step 0 accuracy", *metrics, "mean accuracy over the evals after step 0"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))

@@ -13,26 +13,13 @@ student). Runs of several folders (the sweep, fresh seeds) are pooled by arm.
 
 from __future__ import annotations
 
-import math
-import statistics
 import sys
 
+from opd_exp.analysis import format_ci95 as ci95
 from opd_exp.analysis import load_runs
 
 DOMAINS = ("addsub", "mul")
 ROUTED = "mopd_routed"
-# two-sided 95% Student's t quantiles by degrees of freedom
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-
-
-def ci95(values) -> str:
-    xs = [v for v in values if v is not None and math.isfinite(v)]
-    if not xs:
-        return "—"
-    m = statistics.fmean(xs)
-    if len(xs) == 1:
-        return f"{m:.3f}"
-    return f"{m:.3f} ± {T95.get(len(xs) - 1, 1.96) * statistics.stdev(xs) / math.sqrt(len(xs)):.3f}"
 
 
 def arms(folders) -> dict[str, dict[int, object]]:

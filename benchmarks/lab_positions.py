@@ -15,24 +15,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import math
 
+from opd_exp.analysis import format_ci95 as ci95
 from opd_exp.analysis import group_by_variant
 from opd_exp.analysis.runs import load_sources
 
 METRICS = ("eval/accuracy", "eval/kl_reverse", "eval/kl_forward")
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571}
-
-
-def ci95(xs: list[float]) -> str:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    if not xs:
-        return "—"
-    m = sum(xs) / len(xs)
-    if len(xs) == 1:
-        return f"{m:.3f}"
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
-    return f"{m:.3f} ± {T95.get(len(xs) - 1, 1.96) * sd / math.sqrt(len(xs)):.3f}"
 
 
 def sampled_tokens(run, per_step: int) -> list[tuple[int, float]]:

@@ -12,6 +12,7 @@ the prepared student's architecture. Prints one line per statistic.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -33,6 +34,9 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--student", default=None, help="a run's checkpoint folder (model.safetensors) to measure instead")
     args, overrides = ap.parse_known_args(argv)
     torch.set_num_threads(1)
+    weights = f"{args.student}/model.safetensors" if args.student else None
+    if weights and not os.path.isfile(weights):  # before the pair is prepared
+        raise SystemExit(f"--student {args.student}: no model.safetensors there; allowed: a run's checkpoints/step_* folder")
     pair_cfg, task_cfg = _parse_overrides(["model_pair=embedded_chain_recovery", "task=chain", *overrides])
     pair = prepare_embedded(pair_cfg, task_cfg, progress=False)
     tok = load_tokenizer(pair.tokenizer)
@@ -41,8 +45,12 @@ def main(argv: list[str]) -> None:
     if args.student:
         from safetensors.torch import load_model as load_weights
 
-        # strict (the default): a checkpoint of another architecture is an error, never a partial load
-        load_weights(student, f"{args.student}/model.safetensors")
+        try:  # strict (the default): a checkpoint of another architecture is an error, never a partial load
+            load_weights(student, weights)
+        except Exception as exc:  # damaged file, another world's student
+            raise SystemExit(
+                f"--student {args.student}: cannot load it into {pair_cfg.name}'s student: {str(exc).splitlines()[0]}"
+            ) from None
     started = time.perf_counter()
     out = state_mismatch(student, teacher, tok, task, task.eval_problems()[: args.n], k=args.k, max_new_tokens=args.max_new_tokens)
     print(f"{pair_cfg.name}: {args.n} eval problems, k={args.k} samples per model ({time.perf_counter() - started:.1f} s)")

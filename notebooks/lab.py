@@ -33,7 +33,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
-from opd_exp.analysis import group_by_variant, load_runs
+from opd_exp.analysis import format_ci95, group_by_variant, load_runs
 from opd_exp.analysis.runs import curve
 
 ROOT = Path(os.environ.get("OPD_LAB_ROOT") or ("multirun" if Path("multirun").exists() else "../multirun"))
@@ -55,27 +55,6 @@ CLAIMS = {
     "lab_prefix_x_kl": ["eval/accuracy", "eval/precision", "eval/kl_reverse", "eval/kl_forward"],
     "lab_token_fraction": ["eval/accuracy", "eval/precision", "eval/kl_reverse", "eval/kl_forward"],
 }
-# two-sided 95% Student's t quantiles by degrees of freedom
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
-
-
-def ci95(values):
-    """(mean, half-width of the 95% CI, n) over the finite values."""
-    xs = [v for v in values if v is not None and math.isfinite(v)]
-    if not xs:
-        return math.nan, math.nan, 0
-    m = sum(xs) / len(xs)
-    if len(xs) == 1:
-        return m, math.nan, 1
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
-    return m, T95.get(len(xs) - 1, 1.96) * sd / math.sqrt(len(xs)), len(xs)
-
-
-def fmt(stat, digits=3):
-    m, h, n = stat
-    if n == 0:
-        return "—"
-    return f"{m:.{digits}f}" if not math.isfinite(h) else f"{m:.{digits}f} ± {h:.{digits}f}"
 
 
 def folder(claim):
@@ -94,7 +73,7 @@ def table(runs, metrics):
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for variant, rs in groups.items():
         seeds = ",".join(str(r.seed) for r in rs)
-        lines.append("| " + " | ".join([variant, seeds, *[fmt(ci95(r.final(m) for r in rs)) for m in metrics]]) + " |")
+        lines.append("| " + " | ".join([variant, seeds, *[format_ci95(r.final(m) for r in rs) for m in metrics]]) + " |")
     return "\n".join(lines)
 
 
@@ -174,7 +153,7 @@ def prefix_x_kl_interaction(runs, metrics):
         fkl, rkl = [effect("fkl", s) for s in seeds], [effect("rkl", s) for s in seeds]
         inter = [b - a for a, b in zip(fkl, rkl)]
         per_seed = ", ".join(f"{x:+.3f}" for x in inter)
-        lines.append(f"| {m} | {fmt(ci95(fkl))} | {fmt(ci95(rkl))} | {fmt(ci95(inter))} | {per_seed} |")
+        lines.append(f"| {m} | {format_ci95(fkl)} | {format_ci95(rkl)} | {format_ci95(inter)} | {per_seed} |")
     return f"seeds {seeds}\n\n" + "\n".join(lines)
 
 

@@ -2,6 +2,7 @@
 
 import json
 import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -120,6 +121,19 @@ def test_missing_folder_and_folder_without_metrics(tmp_path):
 def test_mean_std_edge_cases():
     assert mean_std([]) == (pytest.approx(math.nan, nan_ok=True), pytest.approx(math.nan, nan_ok=True), 0)
     assert mean_std([2.0, None, math.nan]) == (2.0, 0.0, 1)
+
+
+def test_the_95_percent_interval_of_a_mean_over_seeds():
+    """Student's t with n - 1 degrees of freedom: seeds 1, 2, 3 have sd 1, so the half-width is
+    t(0.975, 2) / sqrt(3) = 4.303 / 1.732; 40 values fall back to the normal quantile."""
+    from opd_exp.analysis import format_ci95, mean_ci95
+
+    assert mean_ci95([1.0, 2.0, 3.0, None, math.nan]) == (2.0, pytest.approx(4.303 / math.sqrt(3)), 3)
+    assert mean_ci95([0.0, 2.0]) == (1.0, pytest.approx(12.706 * math.sqrt(2) / math.sqrt(2)), 2)
+    m, h, n = mean_ci95([0.0, 1.0] * 20)
+    assert (m, n) == (0.5, 40) and h == pytest.approx(1.960 * statistics.stdev([0.0, 1.0] * 20) / math.sqrt(40))
+    assert mean_ci95([5.0])[2] == 1 and math.isnan(mean_ci95([5.0])[1])
+    assert format_ci95([1.0, 2.0, 3.0]) == "2.000 ± 2.484" and format_ci95([0.25]) == "0.250" and format_ci95([]) == "—"
 
 
 def test_format_table_text_markdown_csv(tmp_path):

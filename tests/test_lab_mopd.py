@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from test_lab_sweeps import TINY as SWEEP_TINY
 from test_sweeps import compose_job
 
 from opd_exp.config.teachers import OPERATORS
@@ -130,20 +131,8 @@ def test_the_mopd_world_is_shipped(option):
         assert files.sha256_file(folder / cache.MANIFEST) == index[name]
 
 
-TINY = [
-    "model_pair.embedded.teacher.sft_steps=2",
-    "model_pair.embedded.student.sft_steps=2",
-    "model_pair.embedded.n_sft=64",
-    "model_pair.embedded.n_check=0",
-    "model_pair.embedded.threads=1",
-    "task.n_train=32",
-    "task.n_eval=6",
-    "trainer.max_steps=2",
-    "trainer.batch_size=3",
-    "eval.every=0",
-    "eval.size=6",
-    "scale.device=cpu",
-]
+# the lab sweeps' tiny recipe, with all 6 eval problems so that both domains are evaluated
+TINY = [o for o in SWEEP_TINY if not o.startswith(("eval.size=", "eval.samples=", "seed="))] + ["eval.size=6"]
 
 
 @pytest.mark.slow

@@ -203,17 +203,22 @@ def test_group_files_compose_into_the_schema():
     assert (gsm8k.name, gsm8k.path, gsm8k.eval_split) == ("gsm8k", "openai/gsm8k", "test")
 
 
-def test_embedded_pair_loads_through_the_same_path(tmp_path, monkeypatch):
+def _tiny_embedded_pair():
+    """(ModelPairConfig, TaskConfig) of an embedded pair that builds in seconds."""
     from opd_exp.config.world import EmbeddedPairConfig, TaskConfig
 
-    monkeypatch.setenv("OPD_EXP_CACHE", str(tmp_path))
     tiny = dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, sft_steps=3, batch_size=4)
     cfg = ModelPairConfig(
         embedded=EmbeddedPairConfig(
             teacher=EmbeddedModelConfig(**tiny), student=EmbeddedModelConfig(**tiny), n_sft=16, n_check=4, threads=1
         )
     )
-    task = TaskConfig(n_train=5, n_eval=10)
+    return cfg, TaskConfig(n_train=5, n_eval=10)
+
+
+def test_embedded_pair_loads_through_the_same_path(tmp_path, monkeypatch):
+    monkeypatch.setenv("OPD_EXP_CACHE", str(tmp_path))
+    cfg, task = _tiny_embedded_pair()
     student_path, teacher_path = resolve_pair(cfg, task, progress=False)
     assert Path(student_path).parent == tmp_path and Path(teacher_path).name.startswith("embedded-teacher-")
     pair = load_pair(cfg, task)
@@ -227,16 +232,8 @@ def test_a_pair_named_by_its_teacher_alone_prepares_no_student(tmp_path, monkeyp
     student recipe is never built (only the tokenizer and the teacher enter the cache)."""
     import dataclasses
 
-    from opd_exp.config.world import EmbeddedPairConfig, TaskConfig
-
     monkeypatch.setenv("OPD_EXP_CACHE", str(tmp_path))
-    tiny = dict(hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32, sft_steps=3, batch_size=4)
-    cfg = ModelPairConfig(
-        embedded=EmbeddedPairConfig(
-            teacher=EmbeddedModelConfig(**tiny), student=EmbeddedModelConfig(**tiny), n_sft=16, n_check=4, threads=1
-        )
-    )
-    task = TaskConfig(n_train=5, n_eval=10)
+    cfg, task = _tiny_embedded_pair()
     alone = dataclasses.replace(cfg, student="embedded:teacher", teacher="embedded:teacher")
     student_path, teacher_path = resolve_pair(alone, task, progress=False)
     assert student_path == teacher_path and Path(teacher_path).name.startswith("embedded-teacher-")

@@ -494,6 +494,32 @@ def mean_std(values: Iterable[float | None]) -> tuple[float, float, int]:
     return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0), len(xs)
 
 
+# two-sided 95% Student's t quantiles by degrees of freedom (the normal 1.960 past 30)
+T95 = (
+    (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+    + (2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086)
+    + (2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+)
+
+
+def mean_ci95(values: Iterable[float | None]) -> tuple[float, float, int]:
+    """(mean, half-width of the 95% confidence interval of the mean, n) over the finite values:
+    Student's t with n - 1 degrees of freedom, as the lab reports seeds; nan half-width for
+    one value, all nan for none."""
+    m, sd, n = mean_std(values)
+    if n < 2:
+        return m, math.nan, n
+    return m, (T95[n - 2] if n - 1 <= len(T95) else 1.960) * sd / math.sqrt(n), n
+
+
+def format_ci95(values: Iterable[float | None], digits: int = 3) -> str:
+    """``mean ± half-width`` (``mean`` for one value, ``—`` for none)."""
+    m, h, n = mean_ci95(values)
+    if n == 0:
+        return "—"
+    return f"{m:.{digits}f}" if n == 1 else f"{m:.{digits}f} ± {h:.{digits}f}"
+
+
 def seed_stat(values: Iterable[float | None]) -> tuple[float, float, int]:
     """``mean_std`` over seeds, except that a seed that ended non-finite makes the whole cell
     non-finite (nan, or inf/-inf when every such seed agrees): a diverged seed is never averaged away."""
