@@ -97,7 +97,7 @@ def fused_accumulate(
     them); the returned loss is detached.
     ``check_teacher(z)``: called on each chunk of teacher logits before its backward (guards)."""
     cfg = objective.cfg
-    mask = batch.response_mask.bool()
+    mask = batch.loss_mask.bool()  # the student's own tokens
     y = batch.response_ids
     positions = chunk_positions or 2 * default_chunk_size(vocab_size)  # ~64 MiB per [chunk, V] fp32 buffer
     per_token = (not on_policy or cfg.loss.credit.value == "token") and not objective.positions.by_row
@@ -194,7 +194,7 @@ class FusedHead:
         """A step's micro-batches (one process: no collectives to keep in step)."""
         loss_total, tally = 0.0, Tally()
         for mb in mbs:
-            if mb.num_response_tokens:
+            if mb.num_trained_tokens:
                 out = self._accumulate(mb, on_policy=on_policy, normalizer=n_tokens, check_teacher=check_teacher)
                 loss_total += float(out.loss)
                 tally.add(out)

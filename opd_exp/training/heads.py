@@ -64,7 +64,7 @@ class MaterialisedHead:
         ds, module = self.dist, self.train_module
         loss_total, tally = 0.0, Tally()
         for i, mb in enumerate(mbs):
-            if mb.num_response_tokens == 0 and not ds.active:
+            if mb.num_trained_tokens == 0 and not ds.active:
                 continue
             zt = pending[i].result()
             check_teacher(zt.finite_check())
@@ -76,7 +76,7 @@ class MaterialisedHead:
                     zs,
                     zt,
                     mb.response_ids,
-                    mb.response_mask,
+                    mb.loss_mask,
                     on_policy=on_policy,
                     normalizer=n_tokens,
                     reward_advantages=mb.reward_advantages,

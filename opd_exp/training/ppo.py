@@ -45,18 +45,8 @@ PPO_METRICS = ("ppo/clip_frac", "ppo/approx_kl", "ppo/ratio_mean", "ppo/ratio_ma
 
 
 def select_rows(batch: Batch, rows: torch.Tensor) -> Batch:
-    """The rows ``rows`` of ``batch`` (whole sequences, same padding)."""
-    return dataclasses.replace(
-        batch,
-        input_ids=batch.input_ids[rows],
-        attention_mask=batch.attention_mask[rows],
-        position_ids=batch.position_ids[rows],
-        response_mask=batch.response_mask[rows],
-        prompt_index=batch.prompt_index[rows],
-        sampling_logprobs=None if batch.sampling_logprobs is None else batch.sampling_logprobs[rows],
-        reward_advantages=None if batch.reward_advantages is None else batch.reward_advantages[rows],
-        route=None if batch.route is None else batch.route[rows],
-    )
+    """The rows ``rows`` of ``batch`` (whole sequences, same padding): ``Batch.select``."""
+    return batch.select(rows)
 
 
 def mini_batch_rows(n_rows: int, mini_batches: int, generator: torch.Generator) -> list[torch.Tensor]:
@@ -171,7 +161,7 @@ class PpoUpdates:
                         zs,
                         scores,
                         mb.response_ids,
-                        mb.response_mask,
+                        mb.loss_mask,
                         on_policy=True,
                         normalizer=n_tokens,
                         reward_advantages=mb.reward_advantages,
@@ -188,7 +178,7 @@ class PpoUpdates:
     def _update(self, group: list[Piece], stats: dict[str, float]) -> tuple[float, float, str | None, dict[str, Any]]:
         """One optimizer step on a mini-batch: (loss, grad norm, problem or None, this update's record)."""
         tc, eps = self.cfg.trainer, self.cfg.loss.clip_eps
-        n_mb = sum(p.batch.num_response_tokens for p in group)  # the mini-batch's token count normalises it
+        n_mb = sum(p.batch.num_trained_tokens for p in group)  # the mini-batch's token count normalises it
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, n_counted, clipped_n, r_lo, r_hi = 0.0, 0, 0, math.inf, -math.inf
         for p in group:

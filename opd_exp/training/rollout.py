@@ -23,13 +23,17 @@ from __future__ import annotations
 
 import abc
 import contextlib
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 # FILTERED_LOGIT and sampling_logits: imported from here as well as from training/sampling.py
+from opd_exp.training.batch import Batch as Batch
+from opd_exp.training.batch import Source
+from opd_exp.training.batch import positions_from_mask as positions_from_mask
+from opd_exp.training.batch import response_mask_from_ids as response_mask_from_ids
 from opd_exp.training.sampling import FILTERED_LOGIT as FILTERED_LOGIT
 from opd_exp.training.sampling import SamplingSpec, draw, row_generators
 from opd_exp.training.sampling import sampling_logits as sampling_logits
@@ -114,106 +118,6 @@ class RowKeyedSampler:
         return out.scatter_(1, choice[:, None], 0.0)
 
 
-@dataclass
-class Batch:
-    """Prompt+response token ids of N sequences, response-aligned at column ``prompt_len``."""
-
-    input_ids: torch.Tensor  # [N, P+R]
-    attention_mask: torch.Tensor  # [N, P+R]: 0 on left padding of the prompt
-    position_ids: torch.Tensor  # [N, P+R]: positions as generate used them
-    prompt_len: int  # P
-    response_mask: torch.Tensor  # [N, R] bool: up to and including the first EOS
-    prompt_index: torch.Tensor  # [N] index of each row's problem in the step's prompt list
-    source: str = "student"  # who sampled the responses: "student" or "teacher"
-    # [N, R] log-probs of the sampled tokens as the rollout ENGINE computed them (HF: from
-    # generate's processed scores; vLLM: its processed log-probs; None for greedy batches):
-    # compared with the trainer's (rollout/logprob_gap), never trained on
-    sampling_logprobs: torch.Tensor | None = None
-    # [N, R] the reward's advantage of each row on its response positions (reward.coef > 0,
-    # training/reward.py), added to the distillation advantage; None without a reward
-    reward_advantages: torch.Tensor | None = None
-    # [N] which teacher scores each row (teachers.map, training/routing.py); None: the one teacher
-    route: torch.Tensor | None = None
-
-    @classmethod
-    def from_responses(
-        cls,
-        prompt_ids: torch.Tensor,
-        prompt_mask: torch.Tensor,
-        response: torch.Tensor,
-        eos_ids: Sequence[int],
-        *,
-        n_samples: int = 1,
-        source: str = "student",
-        sampling_logprobs: torch.Tensor | None = None,
-        lengths: torch.Tensor | None = None,
-    ) -> Batch:
-        """The layout every engine hands the trainer, from left-padded prompts ``[N, P]`` (ids and
-        mask), the sampled ``response`` ids ``[N, R]`` (pad after a row's end) and the EOS ids;
-        rows prompt-major, ``n_samples`` per prompt. ``lengths`` [N]: how many tokens each row
-        sampled (an engine whose rows stop early; an empty response counts no token).
-        ``sampling_logprobs`` [N, R]: the engine's log-probs of its samples, kept on the response
-        mask (0 elsewhere: after a row's end no sample was drawn)."""
-        device = response.device
-        response_mask = response_mask_from_ids(response, eos_ids)
-        if lengths is not None:
-            response_mask &= torch.arange(response.shape[1], device=device)[None, :] < lengths.to(device)[:, None]
-        full_mask = torch.cat([prompt_mask.to(device), torch.ones_like(response)], dim=1)
-        return cls(
-            input_ids=torch.cat([prompt_ids.to(device), response], dim=1),
-            attention_mask=full_mask,
-            position_ids=positions_from_mask(full_mask),
-            prompt_len=prompt_ids.shape[1],
-            response_mask=response_mask,
-            prompt_index=torch.arange(response.shape[0] // n_samples, device=device).repeat_interleave(n_samples),
-            source=source,
-            sampling_logprobs=None if sampling_logprobs is None else sampling_logprobs.masked_fill(~response_mask, 0.0),
-        )
-
-    @property
-    def response_ids(self) -> torch.Tensor:
-        return self.input_ids[:, self.prompt_len :]
-
-    @property
-    def num_sequences(self) -> int:
-        return self.input_ids.shape[0]
-
-    @property
-    def num_response_tokens(self) -> int:
-        return int(self.response_mask.sum())
-
-    def micro_batches(self, size: int) -> Iterator[Batch]:
-        """Whole sequences in slices of ``size`` rows (0: one slice); sequence credit stays intact."""
-        n = self.num_sequences
-        size = n if size <= 0 else size
-        for start in range(0, n, size):
-            sl = slice(start, start + size)
-            yield replace(
-                self,
-                input_ids=self.input_ids[sl],
-                attention_mask=self.attention_mask[sl],
-                position_ids=self.position_ids[sl],
-                response_mask=self.response_mask[sl],
-                prompt_index=self.prompt_index[sl],
-                sampling_logprobs=None if self.sampling_logprobs is None else self.sampling_logprobs[sl],
-                reward_advantages=None if self.reward_advantages is None else self.reward_advantages[sl],
-                route=None if self.route is None else self.route[sl],
-            )
-
-    def to(self, device) -> Batch:
-        return replace(
-            self,
-            input_ids=self.input_ids.to(device),
-            attention_mask=self.attention_mask.to(device),
-            position_ids=self.position_ids.to(device),
-            response_mask=self.response_mask.to(device),
-            prompt_index=self.prompt_index.to(device),
-            sampling_logprobs=None if self.sampling_logprobs is None else self.sampling_logprobs.to(device),
-            reward_advantages=None if self.reward_advantages is None else self.reward_advantages.to(device),
-            route=None if self.route is None else self.route.to(device),
-        )
-
-
 @dataclass(frozen=True)
 class Draw:
     """Which rows of a step's global batch this process samples (prompt-major), and how:
@@ -235,20 +139,6 @@ class Draw:
 def count_truncated(tokenizer, prompts: Sequence[str], cap: int) -> int:
     """How many rendered prompts are longer than ``cap`` tokens (``encode_prompts`` keeps their last ones)."""
     return sum(len(tokenizer(p, add_special_tokens=False)["input_ids"]) > cap for p in prompts)
-
-
-def positions_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Position ids that skip left padding (what generate uses for a left-padded batch)."""
-    pos = attention_mask.long().cumsum(-1) - 1
-    return pos.clamp(min=0)
-
-
-def response_mask_from_ids(response_ids: torch.Tensor, eos_ids: Sequence[int]) -> torch.Tensor:
-    """True up to and including the first EOS of each row (all True when there is none)."""
-    eos = torch.tensor(list(eos_ids), device=response_ids.device)
-    is_eos = torch.isin(response_ids, eos).long()
-    eos_before = is_eos.cumsum(-1) - is_eos  # EOS strictly before this position
-    return eos_before == 0
 
 
 def eos_token_ids(tokenizer, model=None) -> list[int]:
@@ -361,7 +251,7 @@ def generate(
     max_prompt_tokens: int = 256,
     do_sample: bool = True,
     sampling: SamplingSpec = SamplingSpec(),
-    source: str = "student",
+    source: Source | str = Source.student,
     vocab_size: int | None = None,
     return_scores: bool = False,
     row_seeds: Sequence[int] | None = None,
@@ -459,7 +349,7 @@ class RolloutEngine(abc.ABC):
     from torch's global RNG, seeded per step by the trainer. ``greedy`` is evaluation.
     """
 
-    source: str = "student"
+    source: Source | str = Source.student
 
     @abc.abstractmethod
     def generate(
@@ -487,7 +377,7 @@ class ModuleRollout(RolloutEngine):
         rollout_cfg,
         vocab_size: int,
         *,
-        source: str = "student",
+        source: Source | str = Source.student,
         autocast=contextlib.nullcontext,
         synced_gpus: bool = False,
         sampling: SamplingSpec | None = None,

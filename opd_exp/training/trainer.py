@@ -218,9 +218,9 @@ class Trainer:
         """Forward/backward over micro-batches through the LM head (``training/heads.py``);
         gradients equal those of the whole batch. Returns the loss and the step's ``Tally``.
         ``n_tokens``: the step's GLOBAL response-token count (all ranks; default: this batch's)."""
-        n_tokens = batch.num_response_tokens if n_tokens is None else n_tokens  # every micro-batch divides by it
+        n_tokens = batch.num_trained_tokens if n_tokens is None else n_tokens  # every micro-batch divides by it
         mbs = list(batch.micro_batches(self.cfg.trainer.micro_batch_size))
-        return self.head.accumulate(mbs, on_policy=batch.source == "student", n_tokens=n_tokens, check_teacher=self._check_teacher)
+        return self.head.accumulate(mbs, on_policy=batch.on_policy, n_tokens=n_tokens, check_teacher=self._check_teacher)
 
     def _check_teacher(self, scores: torch.Tensor) -> None:
         """Caught before the loss: a NaN teacher logit would turn the loss (and, through masked
@@ -238,7 +238,7 @@ class Trainer:
         t_rollout = time.perf_counter() - t0
         step, problem = self.step + 1, None
         self.optimizer.zero_grad(set_to_none=True)
-        n_global, seq_global = (int(x) for x in dist_util.all_reduce_sum([batch.num_response_tokens, batch.num_sequences], self.dist))
+        n_global, seq_global = (int(x) for x in dist_util.all_reduce_sum([batch.num_trained_tokens, batch.num_sequences], self.dist))
         if n_global == 0:  # nothing to learn from: a counted no-op, never a 0/0 NaN
             loss, tally, grad_norm = 0.0, Tally(), 0.0
             guard.record_empty()
@@ -280,7 +280,7 @@ class Trainer:
                 "guard/empty_steps": float(guard.empty_steps),
                 "rollout/truncated_prompts": float(self._n_truncated),
                 "lr": lr,
-                "rollout/on_policy": 1.0 if batch.source == "student" else 0.0,
+                "rollout/on_policy": 1.0 if batch.on_policy else 0.0,
                 "perf/tokens_per_s": n_global / dt,
                 "perf/step_s": dt,
                 "perf/rollout_s": t_rollout,
