@@ -17,41 +17,18 @@ from omegaconf import MISSING
 from opd_exp.config.checks import check as _check
 from opd_exp.config.checks import fail as _fail
 from opd_exp.config.checks import finite as _finite
+from opd_exp.config.choices import RegistryChoice as _RegistryChoice
 from opd_exp.config.positions import PositionsConfig, validate_positions
 from opd_exp.config.reward import RewardConfig, validate_reward
+from opd_exp.config.teacher import Privileged as Privileged
+from opd_exp.config.teacher import TeacherConfig, validate_teacher
+from opd_exp.config.teacher import TeacherName as TeacherName
 from opd_exp.config.teachers import TeachersConfig, validate_teachers
 
 try:  # the embedded world's schemas
     from opd_exp.config.world import ModelPairConfig, TaskConfig
 except ImportError:  # pragma: no cover - only while the world is not installed
     ModelPairConfig = TaskConfig = Any  # type: ignore[misc,assignment]
-
-
-class _RegistryChoice(Enum):
-    """An enum whose members are the names in a registry, kept in step with it: a name
-    registered later (``register_divergence``) becomes a member, so OmegaConf accepts it and
-    an unknown name still fails with the list of valid ones."""
-
-    @classmethod
-    def _missing_(cls, value):
-        # a pickled member from a process whose plugins registered it (joblib launcher jobs)
-        from opd_exp.config.plugins import load_plugins
-
-        load_plugins()
-        return cls._value2member_map_.get(value)
-
-    @classmethod
-    def _add(cls, value: str) -> None:
-        if value in cls._value2member_map_:
-            return
-        member = object.__new__(cls)
-        member._name_ = member._value_ = value
-        member.__objclass__ = cls
-        member.__init__(value)
-        setattr(cls, value, member)  # DivergenceName.<name>, before it is a member (no reassign check)
-        cls._member_names_.append(value)
-        cls._member_map_[value] = member
-        cls._value2member_map_[value] = member
 
 
 def _divergence_choices():
@@ -138,11 +115,6 @@ class FusedLmHead(Enum):
     auto = "auto"  # fused where it wins: vocabulary >= 32768, one process, no LoRA, a plain Linear head
     on = "on"  # always fused (a model it cannot cover is an error)
     off = "off"  # always the materialised [N, R, V] logits
-
-
-class TeacherName(Enum):
-    in_process = "in_process"  # the teacher model in the training process (dense logits)
-    served = "served"  # a vLLM OpenAI-compatible server (top-k + sampled-token log-probs)
 
 
 class LoggerName(Enum):
@@ -452,56 +424,6 @@ class ScaleConfig:
 
 
 @dataclass
-class TeacherConfig:
-    """Where the teacher's scores come from (docs/engines.md). Only ``name`` matters in process."""
-
-    # in_process: the pair's teacher in this process | served: a stock vLLM OpenAI-compatible
-    # server (opd-serve-teacher starts one), read through its prompt_logprobs
-    name: TeacherName = TeacherName.in_process
-    # served: http://HOST:PORT of the server (where it runs; not part of the teacher's identity)
-    url: str | None = None
-    # served: the model name the server serves (vLLM --served-model-name)
-    model: str = "teacher"
-    # served: top-k log-probs asked per position (vLLM prompt_logprobs; the server's
-    # --max-logprobs must allow it); null: estimator.k. The exact loss needs k >= vocabulary
-    k: int | None = None
-    # served: seconds one request may take before it counts as failed
-    timeout_s: float = 120.0
-    # served: attempts after a failed request (connection error, 5xx, timeout), then the run stops
-    retries: int = 3
-    # served: seconds before the first retry, doubled at each next one
-    backoff_s: float = 1.0
-    # served: sequences per request (the server batches them)
-    rows_per_request: int = 8
-    # served: requests in flight at once (a thread each)
-    max_in_flight: int = 4
-    # served: send every micro-batch's request at the step's start, so the server scores
-    # micro-batch i+1 while the trainer computes micro-batch i (same scores, same step)
-    overlap: bool = True
-    # served: before training, score one sequence twice (equal) and compare it with the pair's
-    # in-process teacher; refuse when they differ by more than self_test_atol (nats, max over tokens)
-    self_test: bool = True
-    self_test_atol: float = 1e-3
-
-    def __post_init__(self) -> None:
-        if self.k is not None:
-            _check(isinstance(self.k, int) and self.k >= 1, "teacher.k", self.k, "null (estimator.k) or an integer >= 1")
-        _check(_finite(self.timeout_s) and self.timeout_s > 0, "teacher.timeout_s", self.timeout_s, "> 0")
-        _check(isinstance(self.retries, int) and self.retries >= 0, "teacher.retries", self.retries, "integer >= 0")
-        _check(_finite(self.backoff_s) and self.backoff_s >= 0, "teacher.backoff_s", self.backoff_s, ">= 0")
-        _check(self.rows_per_request >= 1, "teacher.rows_per_request", self.rows_per_request, "integer >= 1")
-        _check(self.max_in_flight >= 1, "teacher.max_in_flight", self.max_in_flight, "integer >= 1")
-        _check(_finite(self.self_test_atol) and self.self_test_atol > 0, "teacher.self_test_atol", self.self_test_atol, "> 0")
-        if self.url is not None:
-            ok = self.url.startswith(("http://", "https://")) and len(self.url.split("://", 1)[1].strip("/")) > 0
-            _check(ok, "teacher.url", self.url, "http://HOST:PORT (the server opd-serve-teacher prints)")
-
-    @property
-    def served(self) -> bool:
-        return self.name is TeacherName.served
-
-
-@dataclass
 class LoggerConfig:
     """Where metrics go besides metrics.jsonl (always written)."""
 
@@ -685,25 +607,3 @@ def validate_ppo(cfg: TrainConfig) -> None:
         lo.ppo_mini_batches,
         f"at most the rollout's {rows} rows (trainer.batch_size x rollout.n_samples)",
     )
-
-
-def validate_teacher(cfg: TrainConfig) -> None:
-    """What a served teacher cannot do, known from the config alone (what depends on the
-    vocabulary is checked by the objective once the pair is loaded)."""
-    te = cfg.teacher
-    if not te.served:
-        return
-    if te.url is None and not cfg.teachers.active:  # several teachers: each one's teachers.map.<name>.url
-        _fail("teacher.url", None, "http://HOST:PORT of a running vLLM server with teacher=served (opd-serve-teacher prints it)")
-    if cfg.divergence.temperature != 1.0:
-        _fail(
-            "divergence.temperature",
-            cfg.divergence.temperature,
-            "1.0 with teacher=served (a server returns log-probs of the untempered logits; those of tempered logits cannot be "
-            "recovered from its top-k), or teacher=in_process",
-        )
-    if cfg.scale.fused_lm_head is FusedLmHead.on:
-        _fail("scale.fused_lm_head", "on", "auto or off with teacher=served (the fused head needs the teacher's hidden states)")
-    k = te.k if te.k is not None else cfg.estimator.k
-    if cfg.estimator.name in (EstimatorName.topk, EstimatorName.topk_renorm, EstimatorName.topk_generalized_kl) and cfg.estimator.k > k:
-        _fail("estimator.k", cfg.estimator.k, f"at most teacher.k={k} with teacher=served (the server sends its top-{k})")

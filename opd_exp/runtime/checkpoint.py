@@ -2,7 +2,8 @@
 state and RNG, written atomically (a temp folder renamed into place).
 
 Layout: ``<run>/checkpoints/step_000050/{model.safetensors, optimizer.pt, state.json,
-rng.pt, manifest.json}``. Only folders named ``step_<n>`` count; a crash mid-write leaves a
+rng.pt, manifest.json}``, and ``teacher.safetensors`` where the teacher scorer keeps state (a
+teacher made from the student: its weights). Only folders named ``step_<n>`` count; a crash mid-write leaves a
 ``.tmp-*`` folder that is ignored and swept away, so resume always finds a complete
 checkpoint. ``manifest.json`` (written last) records each file's size and SHA-256: a file
 truncated afterwards makes the checkpoint incomplete (never listed), and a file whose bytes
@@ -35,6 +36,8 @@ from opd_exp.runtime.errors import ConfigError, first_line
 
 _NAME = re.compile(r"^step_(\d+)$")
 _FILES = ("model.safetensors", "optimizer.pt", "state.json", "rng.pt")
+TEACHER_FILE = "teacher.safetensors"  # only where the teacher scorer has state
+TEACHER_STATE = "teacher_state"  # the loop-state key ``load`` returns it under
 MANIFEST = "manifest.json"
 LOCK = ".opd-train.lock"
 OWNER = ".opd-train.pid"
@@ -58,9 +61,12 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save(run_dir: Path, step: int, model, optimizer, scheduler, loop_state: dict[str, Any], keep: int = 2) -> Path:
-    """Write checkpoint ``step`` atomically and keep only the newest ``keep``."""
-    from safetensors.torch import save_model
+def save(
+    run_dir: Path, step: int, model, optimizer, scheduler, loop_state: dict[str, Any], keep: int = 2, teacher_state: dict | None = None
+) -> Path:
+    """Write checkpoint ``step`` atomically and keep only the newest ``keep``; ``teacher_state``:
+    the teacher scorer's tensors (``TeacherScorer.state_dict``), if any."""
+    from safetensors.torch import save_file, save_model
 
     root = checkpoint_root(run_dir)
     final = root / f"step_{step:06d}"
@@ -73,6 +79,8 @@ def save(run_dir: Path, step: int, model, optimizer, scheduler, loop_state: dict
             save_model(model, str(tmp / "model.safetensors"))  # handles tied embeddings
             torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
             torch.save(rng_state(), tmp / "rng.pt")
+            if teacher_state:
+                save_file({k: v.detach().cpu().contiguous() for k, v in teacher_state.items()}, str(tmp / TEACHER_FILE))
             (tmp / "state.json").write_text(json.dumps({"step": step, **loop_state}, indent=2) + "\n")
             files.write_manifest(tmp, MANIFEST, {"step": step})
     except (OSError, RuntimeError) as ex:
@@ -188,6 +196,10 @@ def load(path: Path, model, optimizer, scheduler) -> dict[str, Any]:
         raise OtherModel(_mismatch(ex)) from None
     scheduler.load_state_dict(opt["scheduler"])
     set_rng_state(rng)
+    if (path / TEACHER_FILE).is_file():
+        from safetensors.torch import load_file
+
+        state[TEACHER_STATE] = load_file(str(path / TEACHER_FILE))
     return state
 
 

@@ -50,3 +50,37 @@ class EvalRise:
             f"row (now {v:.4g} at step {step}) with estimator={self.estimator} estimator.baseline={self.baseline} at "
             f"trainer.lr={self.lr:g}: the sampled estimator's one-token gradient is noisy and this lr makes the student worse; {advice}"
         )
+
+
+# The divergence to the teacher stays at ~0 for the first steps: nothing to distil. A teacher made
+# from the student without privileged context starts AS the student; a teacher whose fields were
+# dropped, or a teacher equal to the student, give the same picture.
+NO_SIGNAL_STEPS, NO_SIGNAL_LEVEL = 3, 1e-6
+
+
+class NoSignal:
+    """Said once: ``jsd/mean`` at most ``NO_SIGNAL_LEVEL`` in absolute value on each of the first
+    ``NO_SIGNAL_STEPS`` trained steps."""
+
+    def __init__(self, teacher: str, privileged: str):
+        self.teacher, self.privileged, self.seen, self.done = teacher, privileged, 0, False
+
+    def update(self, metrics: dict[str, float], step: int) -> str | None:
+        if self.done or metrics.get("grad/skipped") or "jsd/mean" not in metrics:
+            return None
+        if abs(metrics["jsd/mean"]) > NO_SIGNAL_LEVEL:
+            self.done = True
+            return None
+        self.seen += 1
+        if self.seen < NO_SIGNAL_STEPS:
+            return None
+        self.done = True
+        why = (
+            f" (teacher={self.teacher} starts as the student; with teacher.privileged=none it has nothing the student lacks)"
+            if self.teacher in ("ema", "lagged") and self.privileged == "none"
+            else " (is the teacher the student, or are its scores the student's?)"
+        )
+        return (
+            f"opd-train: warning: the divergence to the teacher has stayed at ~0 (|jsd/mean| <= {NO_SIGNAL_LEVEL:g}) for the first "
+            f"{NO_SIGNAL_STEPS} steps up to step {step}: there is little or nothing to distil{why}"
+        )

@@ -53,6 +53,9 @@ class Batch:
     route: torch.Tensor | None = None
     # [N, R] bool: the tokens the student wrote (trained); None: every response position
     loss_mask: torch.Tensor | None = None
+    # the same rows as the TEACHER is asked them (teacher.privileged: its own prompt, the same
+    # response columns); None: the teacher sees what the student sees. The student never reads it
+    teacher_view: Batch | None = None
 
     def __post_init__(self) -> None:
         self.source = Source(self.source)  # "student"/"teacher" from older callers
@@ -118,6 +121,11 @@ class Batch:
     def on_policy(self) -> bool:
         return self.source is Source.student
 
+    @property
+    def teacher_input(self) -> Batch:
+        """What a teacher scores: its own view of the rows where it has one, else the rows."""
+        return self if self.teacher_view is None else self.teacher_view
+
     def _map_rows(self, fn) -> Batch:
         """``fn`` applied to every per-row tensor field (dim 0 = rows); the rest kept."""
         changes = {}
@@ -125,6 +133,8 @@ class Batch:
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
                 changes[f.name] = fn(value)
+            elif isinstance(value, Batch):
+                changes[f.name] = value._map_rows(fn)
         if self.loss_mask is self.response_mask:  # one tensor stays one tensor
             changes["loss_mask"] = changes["response_mask"]
         return dataclasses.replace(self, **changes)

@@ -135,6 +135,7 @@ class Evaluator:
         samples: int = 0,
         position_sums: PositionSums | None = None,
         routing=None,
+        teacher_view: Callable[[Batch, Sequence[Any]], Batch] | None = None,
     ):
         self.task, self.tokenizer, self.problems, self.batch_size = task, tokenizer, list(problems), batch_size
         self.samples = samples
@@ -145,6 +146,8 @@ class Evaluator:
         # several teachers (training/routing.py): each eval row scored by its prompt's teacher, and
         # eval/teacher/<name>/accuracy on each one's prompts
         self.routing = routing
+        # teacher.privileged: the eval divergences are to the teacher as it scores in training
+        self.teacher_view = teacher_view or (lambda batch, problems: batch)
 
     def _materialised_sums(self, batch: Batch, divergences: Mapping[str, Divergence], with_entropy: bool) -> dict[str, float]:
         zs = self.student_logits(batch)
@@ -158,7 +161,8 @@ class Evaluator:
         for chunk, batch in greedy_batches(engine, self.tokenizer, self.task, problems, self.batch_size):
             if self.on_prompts is not None:
                 self.on_prompts([self.task.render_prompt(p, self.tokenizer) for p in chunk])
-            yield chunk, batch if self.routing is None else self.routing.attach(batch, chunk)
+            batch = batch if self.routing is None else self.routing.attach(batch, chunk)
+            yield chunk, self.teacher_view(batch, chunk)
 
     def accuracy(self, engine: RolloutEngine, problems: Sequence[Any] | None = None) -> float:
         """Greedy accuracy on the eval set (or on ``problems``, a part of it)."""

@@ -28,10 +28,11 @@ class StepMemory:
     micro_rows: int  # sequences per forward/backward
     kv_cache: int  # bytes: the rollout's KV cache of the student
     logits: int  # bytes: student + teacher fp32 logits of one micro-batch
+    teacher_copy: int = 0  # bytes: a teacher made from the student (ema, lagged) is a second copy of its weights
 
     @property
     def peak(self) -> int:
-        return max(self.kv_cache, self.logits)
+        return max(self.kv_cache, self.logits) + self.teacher_copy
 
 
 def _dims(model) -> tuple[int, int, int]:
@@ -57,7 +58,8 @@ def estimate(cfg, student, vocab_size: int, *, world_size: int = 1, teacher_here
     seq = ro.max_prompt_tokens + ro.max_new_tokens
     kv_cache = 2 * layers * rows * seq * kv_heads * head_dim * itemsize
     logits = (2 if teacher_here else 1) * micro * ro.max_new_tokens * vocab_size * 4
-    return StepMemory(rows, micro, kv_cache, logits)
+    copy = sum(p.numel() * p.element_size() for p in student.parameters()) if cfg.teacher.name.value in ("ema", "lagged") else 0
+    return StepMemory(rows, micro, kv_cache, logits, copy)
 
 
 def available_bytes(device: torch.device) -> int | None:
@@ -87,7 +89,7 @@ def check_step_memory(cfg, student, vocab_size: int, device: torch.device, **kw)
             f"trainer.batch_size x rollout.n_samples: {tc.batch_size} x {ro.n_samples} = {total} sequences{mine} need at least "
             f"{need.peak / GIB:.1f} GiB per step on {device} (rollout KV cache {need.kv_cache / GIB:.1f} GiB for "
             f"{ro.max_prompt_tokens}+{ro.max_new_tokens} tokens; student+teacher logits of {need.micro_rows} rows "
-            f"{need.logits / GIB:.1f} GiB), but {free / GIB:.1f} GiB are free; allowed: a smaller trainer.batch_size or "
+            f"{need.logits / GIB:.1f} GiB{f'; teacher={cfg.teacher.name.value} copy of the student {need.teacher_copy / GIB:.1f} GiB' if need.teacher_copy else ''}), but {free / GIB:.1f} GiB are free; allowed: a smaller trainer.batch_size or "
             f"rollout.n_samples, a trainer.micro_batch_size > 0 below {need.micro_rows}, or fewer rollout.max_new_tokens"
         )
     return need

@@ -80,10 +80,12 @@ class PpoUpdates:
         optimizer: torch.optim.Optimizer,
         params: list[torch.nn.Parameter],
         warn: Callable[[str], None],
+        after_update: Callable[[], None] = lambda: None,
     ):
         self.cfg, self.objective, self.monitors, self.student, self.student_logits = cfg, objective, monitors, student, student_logits
         self.teacher_scorer, self.optimizer, self.params, self.warn = teacher_scorer, optimizer, params, warn
         self.last_updates: list[dict[str, float]] = []  # per update of the last step (tests, debugging)
+        self.after_update = after_update  # every applied update: a teacher made from the student follows it
 
     def _order(self, n_rows: int, step: int, epoch: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + step * 1009 + epoch) % (2**63))
@@ -214,5 +216,6 @@ class PpoUpdates:
             problem = f"loss={loss_sum}, grad/norm={norm}"
         elif n_counted:  # no counted token: no gradient, and AdamW's momentum would still move the weights
             self.optimizer.step()
+            self.after_update()
         self.optimizer.zero_grad(set_to_none=True)
         return loss_sum, norm, problem, record

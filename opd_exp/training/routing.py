@@ -167,6 +167,20 @@ class TeacherMap(TeacherScorer):
         for s in self.scorers:
             s.close()
 
+    def sync(self, student, step: int) -> None:
+        for s in self.scorers:
+            s.sync(student, step)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {f"{name}.{k}": v for name, s in zip(self.names, self.scorers) for k, v in s.state_dict().items()}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        for name, s in zip(self.names, self.scorers):
+            s.load_state_dict({k[len(name) + 1 :]: v for k, v in state.items() if k.startswith(f"{name}.")})
+
+    def metrics(self) -> dict[str, float]:
+        return {k: v for s in self.scorers for k, v in s.metrics().items()}
+
 
 class RoutedMonitors(Monitors):
     """The step's monitors, plus per-teacher sums of routed scores: each teacher's token count and

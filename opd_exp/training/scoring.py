@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import enum
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -115,6 +116,15 @@ def dropout_off(model) -> Iterator[None]:
             m.training = mode
 
 
+class Feed(enum.Enum):
+    """What a teacher's scores can feed: the objective, the monitors and the start-up checks ask
+    this, never which scorer made them."""
+
+    dense = "dense"  # logits over the whole vocabulary: every estimator and exact metric
+    topk = "topk"  # top-k ids + log-probs and the sampled token's log-prob (a served teacher)
+    sampled = "sampled"  # the sampled token's log-prob only
+
+
 @dataclass(frozen=True)
 class TeacherScores:
     """What a teacher scorer returns for the R response positions of a batch.
@@ -134,6 +144,12 @@ class TeacherScores:
     @property
     def dense(self) -> bool:
         return self.logits is not None
+
+    @property
+    def feeds(self) -> Feed:
+        if self.logits is not None:
+            return Feed.dense
+        return Feed.topk if self.topk_ids is not None else Feed.sampled
 
     @property
     def k(self) -> int:
@@ -185,10 +201,30 @@ class Pending:
 
 
 class TeacherScorer(abc.ABC):
-    """Scores a batch with the frozen teacher at the positions that predict every response token."""
+    """Scores a batch with the teacher at the positions that predict every response token.
+
+    A scorer may hold state that changes with the student (a teacher made from it: EMA, lagged;
+    ``training/teacher_student.py``): ``sync`` is called after every applied update (each PPO
+    update counts), and ``state_dict`` / ``load_state_dict`` travel in every checkpoint, so a
+    resumed run scores as the uninterrupted one would. A frozen teacher keeps the defaults."""
 
     # the scores cover the teacher's whole distribution (dense, or k >= V): exact metrics exist
     full_distribution: bool = True
+
+    def sync(self, student, step: int) -> None:  # noqa: B027 - a frozen teacher has nothing to follow
+        """After the update that made ``step`` (the student's weights as they are now)."""
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors a checkpoint must carry (empty: nothing)."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        if state:
+            raise ValueError(f"{type(self).__name__} keeps no state, but the checkpoint holds teacher state ({len(state)} tensors)")
+
+    def metrics(self) -> dict[str, float]:
+        """Per-step readings of the scorer itself (``self/*``: a teacher made from the student)."""
+        return {}
 
     @abc.abstractmethod
     def score(self, batch: Batch) -> TeacherScores:
@@ -214,13 +250,28 @@ class InProcessTeacher(TeacherScorer):
     def __init__(self, model, vocab_size: int, *, temperature: float, device, autocast=contextlib.nullcontext):
         self.model, self.vocab_size, self.temperature = model, vocab_size, temperature
         self.device, self.autocast = torch.device(device), autocast
+        self._gain = [0.0, 0]  # self/privileged_gain: sum over the student's tokens, count
 
     def score(self, batch: Batch) -> TeacherScores:
-        return TeacherScores(logits=self.logits(batch))
+        z = self.logits(batch)
+        if batch.teacher_view is not None:  # what the privileged context adds: log T(y | x, c) - log T(y | x)
+            with torch.no_grad():
+                y, m = batch.response_ids, batch.loss_mask.bool()
+                gain = token_logprobs(z, y) - token_logprobs(self.logits(batch, view=False), y)
+                self._gain[0] += float(gain[m].double().sum())
+                self._gain[1] += int(m.sum())
+        return TeacherScores(logits=z)
 
-    def logits(self, batch: Batch) -> torch.Tensor:
+    def metrics(self) -> dict[str, float]:
+        total, n = self._gain
+        self._gain = [0.0, 0]
+        return {"self/privileged_gain": total / n} if n else {}
+
+    def logits(self, batch: Batch, *, view: bool = True) -> torch.Tensor:
         """``[N, R, V]`` teacher logits divided by the divergence temperature (fp32, no grad),
-        on the batch's device."""
+        on the batch's device, of the teacher's view of the rows (``Batch.teacher_input``; with
+        ``view=False``: of the student's own prompt)."""
+        batch = batch.teacher_input if view else batch
         where = batch.input_ids.device
         with self.autocast():
             if where == self.device:
@@ -231,6 +282,7 @@ class InProcessTeacher(TeacherScorer):
     # response positions, then the head a chunk of positions at a time (no [N, R, V] logits).
     @torch.no_grad()
     def hidden(self, batch: Batch) -> torch.Tensor:
+        batch = batch.teacher_input
         with self.autocast():
             return response_hidden(self.model, batch if batch.input_ids.device == self.device else batch.to(self.device))
 

@@ -36,12 +36,17 @@ class TeacherSet:
         self._engines: dict[int, Any] = {}
 
     @classmethod
-    def load(cls, cfg, pair, device, splits: dict[str, Sequence[Any]], load=None) -> tuple[Any, TeacherSet]:
+    def load(cls, cfg, pair, device, splits: dict[str, Sequence[Any]], load=None, *, student=None) -> tuple[Any, TeacherSet]:
         """(the module the teacher's rollout engines use, the set): the pair's teacher, or the
         map's teachers (every problem of ``splits`` routed first: one line before they load),
         each loaded by ``load`` (``pairs.teacher_map.load_map_teacher``, handed down
         by the entry point: loading models is the pairs package's concern)."""
         sc = cfg.scale
+        if cfg.teacher.from_student:  # ema / lagged: a frozen copy of the student; live: the student itself
+            from opd_exp.training.teacher_student import frozen_copy
+
+            model = student if cfg.teacher.name.value == "live" else frozen_copy(student)
+            return model, cls(cfg, [model], device=student.device)
         if not cfg.teachers.active:
             model = prec.prepare_teacher(pair.teacher, sc, device)  # frozen, no grad
             return model, cls(cfg, [model], device=device)
@@ -134,4 +139,6 @@ class TeacherSet:
                 values[f"{fingerprint.TEACHERS_LOADED}{name}.server.{k.rsplit('.', 1)[-1]}"] = v
             if served:
                 teachers[name]["server"] = {k.rsplit(".", 1)[-1]: v for k, v in served.items()}
+                if getattr(self.scorers[i], "self_tested", True) is False:
+                    teachers[name]["server"]["self_tested"] = False
         return {**record, "teachers": {"route": self.cfg.teachers.route, **teachers}}, values

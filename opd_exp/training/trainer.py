@@ -45,7 +45,7 @@ from opd_exp.runtime.errors import ConfigError
 from opd_exp.runtime.guards import Diverged, NonFinite, Preempted, PreemptionGuard, StepGuard, nonfinite_summary
 from opd_exp.runtime.secrets import scrub_text
 from opd_exp.sinks import Progress, Sink
-from opd_exp.training.advice import EvalRise
+from opd_exp.training.advice import EvalRise, NoSignal
 from opd_exp.training.checkpoints import checkpoint_views, resume_session
 from opd_exp.training.engines import build_engines, require_extras, run_identity
 from opd_exp.training.evaluate import EvalDivergences, Evaluator, eval_problems, require_finite
@@ -59,6 +59,7 @@ from opd_exp.training.reward import RewardTerm
 from opd_exp.training.rollout import Draw, count_truncated, warn_ignored_generation_settings
 from opd_exp.training.schedule import LrSchedule
 from opd_exp.training.state import DataCursor, TrainState
+from opd_exp.training.teacher_prompt import TeacherPrompt
 from opd_exp.training.teacher_served import TeacherUnavailable
 from opd_exp.training.teacher_set import TeacherSet
 from opd_exp.training.teachers import sparse_teacher_k
@@ -89,7 +90,7 @@ class Trainer:
             cfg, self.student, self.vocab_size, self.device, world_size=self.dist.world_size, teacher_here=teacher_device == self.device
         )
         splits = dict(training=self.train_problems, eval=eval_set)  # what teachers.map routes (checked before its teachers load)
-        self.teacher, self.teachers = TeacherSet.load(cfg, pair, teacher_device, splits, load_map_teacher)
+        self.teacher, self.teachers = TeacherSet.load(cfg, pair, teacher_device, splits, load_map_teacher, student=self.student)
         self.student.train()
         self.autocast = partial(prec.autocast, self.device, sc.precision.value)
         self._progress: Progress | None = None
@@ -114,6 +115,7 @@ class Trainer:
         )  # fmt: skip
         self.student_logits = materialised.student_logits  # (module, batch): the sampling-distribution logits
         self.eval_divergences = EvalDivergences(cfg)
+        self.teacher_prompt = TeacherPrompt.from_config(cfg, task, self.tokenizer, warn=self.warn)
         self.evaluator = Evaluator(
             task,
             self.tokenizer,
@@ -127,6 +129,7 @@ class Trainer:
             samples=cfg.eval.samples,
             position_sums=getattr(self.head, "position_sums", None),  # the fused head's (no [N, R, V] logits)
             routing=self.teachers.router,
+            teacher_view=self.teacher_prompt.attach,
         )
 
         self.params = [p for p in self.student.parameters() if p.requires_grad]
@@ -145,10 +148,12 @@ class Trainer:
                 optimizer=self.optimizer,
                 params=self.params,
                 warn=self.warn,
+                after_update=lambda: self.teacher_scorer.sync(self.student, self.step + 1),
             )
         # estimator=sampled: an eval divergence that stays above its start is said once (advice.py)
         own = self.eval_divergences.own_key
         self.eval_rise = EvalRise(own, "sampled", tc.lr, cfg.estimator.baseline.value) if cfg.estimator.name.value == "sampled" else None
+        self.no_signal = NoSignal(cfg.teacher.name.value, cfg.teacher.privileged.value)
         self.lr_schedule = LrSchedule(tc)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_schedule.factor)
         self.state = TrainState(cursor=DataCursor(len(self.train_problems), cfg.seed), guard=StepGuard(tc.max_bad_steps))
@@ -212,6 +217,7 @@ class Trainer:
         draw = Draw.for_step(cfg.seed, step, len(prompts) * n, self.dist)
         batch = engine.generate([prompts[r // n] for r in draw.rows], draw.seeds)
         batch = self.teachers.route(problems, dataclasses.replace(batch, prompt_index=torch.tensor(draw.rows) // n)).to(self.device)
+        batch = self.teacher_prompt.attach(batch, problems)  # teacher.privileged: the teacher's own prompt
         return self.reward(batch, problems)  # reward.coef > 0: each row's reward advantage attached
 
     def accumulate(self, batch, n_tokens: int | None = None) -> tuple[float, Tally]:
@@ -258,6 +264,7 @@ class Trainer:
                 problem = f"loss={loss}, grad/norm={grad_norm}"
         if problem is None and n_global and self.ppo is None:  # a non-finite loss or gradient never reaches the weights
             self.optimizer.step()
+            self.teacher_scorer.sync(self.student, step)  # a teacher made from the student follows every applied update
         guard.record(step, problem)
         if problem is not None:
             self.warn(f"opd-train: warning: step {step} skipped (no update): {problem}")
@@ -267,9 +274,14 @@ class Trainer:
             self.scheduler.step()
         self.state.step += 1
         dt = time.perf_counter() - t0
-        metrics = {**self.teachers.metrics(tally, n_global), **self.reward.metrics}  # teacher/<name>/* (teachers.map), reward/*
-        if line := self.monitors.gap_warning(metrics, step):
-            self.warn(line)
+        metrics = {
+            **self.teachers.metrics(tally, n_global),
+            **self.reward.metrics,
+            **self.teacher_scorer.metrics(),
+        }  # teacher/<name>/*, reward/*, self/*
+        for line in (self.monitors.gap_warning(metrics, step), self.no_signal.update(metrics, step)):
+            if line:
+                self.warn(line)
         metrics.update(
             {
                 "loss": loss,
@@ -316,7 +328,10 @@ class Trainer:
             loop = {**self.state.state_dict(), "config": self.fingerprint, "config_hash": fingerprint.short_hash(self.fingerprint)}
             if self.lr_schedule.segments:
                 loop["lr_segments"] = self.lr_schedule.segments
-            path = checkpoint.save(self.run_dir, self.step, model, optimizer, self.scheduler, loop, keep=self.cfg.checkpoint.keep)
+            path = checkpoint.save(
+                self.run_dir, self.step, model, optimizer, self.scheduler, loop, keep=self.cfg.checkpoint.keep,
+                teacher_state=self.teacher_scorer.state_dict(),
+            )  # fmt: skip
         dist_util.barrier(self.dist)
         return path
 
@@ -337,6 +352,10 @@ class Trainer:
         if factor is not None:  # checkpoint.extend: the schedule continues from the checkpoint's lr
             self.lr_schedule.extend(step, factor)
         loop.pop("config_hash", None)
+        try:  # a teacher made from the student continues from its saved weights
+            self.teacher_scorer.load_state_dict(loop.pop(checkpoint.TEACHER_STATE, {}))
+        except ValueError as ex:
+            raise ConfigError(f"teacher.name={self.cfg.teacher.name.value}: checkpoint at step {step}: {ex}") from None
         self.lr_schedule.segments += loop.pop("lr_segments", [])
         self.state.load_state_dict(step, loop)
         if self._session.get("eval_set_changed"):

@@ -79,26 +79,16 @@ def build_model(folder: Path, vocab_size: int, hidden: int, layers: int, seed: i
 
 
 def small_config(**groups):
-    """A TrainConfig shrunk for CPU tests; ``groups`` maps a group name to a dict of fields."""
+    """A TrainConfig shrunk for CPU tests; ``groups`` maps a group name to a dict of fields
+    (an enum field may be given as its string; each group's class and enums come from the schema)."""
+    import dataclasses
+    import enum
+    import typing
+
     from opd_exp.config import schema as S
     from opd_exp.config.deprecated import RENAMED
-    from opd_exp.config.positions import GateMode, PositionsConfig, PositionsName
-    from opd_exp.config.reward import RewardBaseline, RewardConfig
     from opd_exp.config.world import ModelPairConfig, TaskConfig
 
-    enum_of = {
-        ("divergence", "name"): S.DivergenceName,
-        ("estimator", "name"): S.EstimatorName,
-        ("loss", "name"): S.LossName,
-        ("loss", "credit"): S.Credit,
-        ("trainer", "schedule"): S.Schedule,
-        ("scale", "precision"): S.Precision,
-        ("logger", "name"): S.LoggerName,
-        ("rollout", "engine"): S.RolloutEngine,
-        ("positions", "name"): PositionsName,
-        ("positions", "gate"): GateMode,
-        ("reward", "baseline"): RewardBaseline,
-    }
     base = {
         "trainer": dict(
             max_steps=3,
@@ -119,21 +109,16 @@ def small_config(**groups):
             new = RENAMED.get(f"{g}.{k}", f"{g}.{k}")
             group, key = new.split(".", 1)
             base.setdefault(group, {})[key] = v
+    group_types = typing.get_type_hints(S.TrainConfig)
     kwargs = {}
-    cls = {
-        "divergence": S.DivergenceConfig,
-        "estimator": S.EstimatorConfig,
-        "loss": S.LossConfig,
-        "positions": PositionsConfig,
-        "rollout": S.RolloutConfig,
-        "trainer": S.TrainerConfig,
-        "eval": S.EvalConfig,
-        "checkpoint": S.CheckpointConfig,
-        "scale": S.ScaleConfig,
-        "logger": S.LoggerConfig,
-        "reward": RewardConfig,
-    }
     for g, fields in base.items():
-        conv = {k: (enum_of[(g, k)](v) if (g, k) in enum_of and isinstance(v, str) else v) for k, v in fields.items()}
-        kwargs[g] = cls[g](**conv)
+        cls = group_types[g]
+        hints = typing.get_type_hints(cls)
+        conv = {}
+        for k, v in fields.items():
+            t = hints.get(k)
+            is_enum = isinstance(t, type) and issubclass(t, enum.Enum)
+            conv[k] = t(v) if is_enum and isinstance(v, str) else v
+        assert dataclasses.is_dataclass(cls), g
+        kwargs[g] = cls(**conv)
     return S.TrainConfig(model_pair=ModelPairConfig(), task=TaskConfig(), **kwargs)

@@ -1,0 +1,157 @@
+"""The ``teacher`` group: where the teacher's scores come from, and the limits of each kind.
+
+Kinds (``teacher.name``, a registry: ``training.teachers.register_teacher_scorer`` adds one):
+
+* ``in_process``: the pair's frozen teacher in this process (dense logits);
+* ``served``: a stock vLLM OpenAI-compatible server (top-k + sampled-token log-probs);
+* teachers made from the student (on-policy self-distillation; ``training/teacher_student.py``):
+  ``ema`` (an exponential moving average of the student's weights, ``teacher.decay``), ``lagged``
+  (a copy refreshed every ``teacher.refresh_every`` applied updates) and ``live`` (the current
+  student itself, without gradient).
+
+``teacher.privileged`` (every in-process kind): the teacher is asked the problem plus privileged
+context (the task's worked solution or final answer) and scores the student's response tokens
+under that prompt; the student never sees it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from opd_exp.config.checks import check as _check
+from opd_exp.config.checks import fail as _fail
+from opd_exp.config.checks import finite as _finite
+from opd_exp.config.choices import RegistryChoice
+
+# name -> what it is (the built-in kinds; a registered scorer adds its own)
+BUILT_IN = {
+    "in_process": "the pair's teacher in the training process (dense logits)",
+    "served": "a vLLM OpenAI-compatible server (top-k + sampled-token log-probs)",
+    "ema": "an exponential moving average of the student's weights (teacher.decay)",
+    "lagged": "a copy of the student refreshed every teacher.refresh_every applied updates",
+    "live": "the current student itself, scored without gradient",
+}
+TeacherName = RegistryChoice("TeacherName", [(n, n) for n in BUILT_IN])
+FROM_STUDENT = ("ema", "lagged", "live")  # kinds whose weights are the student's
+
+
+class Privileged(Enum):
+    none = "none"  # the teacher sees what the student sees
+    solution = "solution"  # plus the task's worked solution (Problem.solution)
+    answer = "answer"  # plus the final answer (Problem.answer)
+
+
+@dataclass
+class TeacherConfig:
+    """Where the teacher's scores come from (docs/engines.md). Only ``name`` matters in process."""
+
+    # in_process: the pair's teacher in this process | served: a stock vLLM OpenAI-compatible
+    # server (opd-serve-teacher starts one), read through its prompt_logprobs | ema | lagged | live:
+    # made from the student (module docstring) | any registered with register_teacher_scorer
+    name: TeacherName = TeacherName.in_process
+    # ema: theta_T <- decay * theta_T + (1 - decay) * theta_S after every applied update, from the
+    # student's starting weights (TRL's teacher_update_rate is 1 - decay)
+    decay: float = 0.99
+    # lagged: the teacher's weights are the student's of the last multiple of refresh_every updates
+    refresh_every: int = 10
+    # none | solution | answer: privileged context in the teacher's prompt (never the student's)
+    privileged: Privileged = Privileged.none
+    # served: http://HOST:PORT of the server (where it runs; not part of the teacher's identity)
+    url: str | None = None
+    # served: the model name the server serves (vLLM --served-model-name)
+    model: str = "teacher"
+    # served: top-k log-probs asked per position (vLLM prompt_logprobs; the server's
+    # --max-logprobs must allow it); null: estimator.k. The exact loss needs k >= vocabulary
+    k: int | None = None
+    # served: seconds one request may take before it counts as failed
+    timeout_s: float = 120.0
+    # served: attempts after a failed request (connection error, 5xx, timeout), then the run stops
+    retries: int = 3
+    # served: seconds before the first retry, doubled at each next one
+    backoff_s: float = 1.0
+    # served: sequences per request (the server batches them)
+    rows_per_request: int = 8
+    # served: requests in flight at once (a thread each)
+    max_in_flight: int = 4
+    # served: send every micro-batch's request at the step's start, so the server scores
+    # micro-batch i+1 while the trainer computes micro-batch i (same scores, same step)
+    overlap: bool = True
+    # served: before training, score one sequence twice (equal) and compare it with the pair's
+    # in-process teacher; refuse when they differ by more than self_test_atol (nats, max over tokens)
+    self_test: bool = True
+    self_test_atol: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if self.k is not None:
+            _check(isinstance(self.k, int) and self.k >= 1, "teacher.k", self.k, "null (estimator.k) or an integer >= 1")
+        _check(_finite(self.timeout_s) and self.timeout_s > 0, "teacher.timeout_s", self.timeout_s, "> 0")
+        _check(isinstance(self.retries, int) and self.retries >= 0, "teacher.retries", self.retries, "integer >= 0")
+        _check(_finite(self.backoff_s) and self.backoff_s >= 0, "teacher.backoff_s", self.backoff_s, ">= 0")
+        _check(self.rows_per_request >= 1, "teacher.rows_per_request", self.rows_per_request, "integer >= 1")
+        _check(self.max_in_flight >= 1, "teacher.max_in_flight", self.max_in_flight, "integer >= 1")
+        _check(_finite(self.self_test_atol) and self.self_test_atol > 0, "teacher.self_test_atol", self.self_test_atol, "> 0")
+        _check(_finite(self.decay) and 0.0 <= self.decay < 1.0, "teacher.decay", self.decay, "0 <= decay < 1 (1 would never move)")
+        _check(isinstance(self.refresh_every, int) and self.refresh_every >= 1, "teacher.refresh_every", self.refresh_every, "integer >= 1")
+        name = self.name.value
+        if name == "live" and self.privileged is Privileged.none:
+            # D(S || S) = 0 at every token: a run that trains on nothing and says nothing
+            _fail(
+                "teacher.privileged",
+                "none",
+                "solution or answer with teacher=live (the live student scoring its own tokens gives zero signal); "
+                "or teacher=ema / lagged / in_process",
+            )
+        if self.url is not None:
+            ok = self.url.startswith(("http://", "https://")) and len(self.url.split("://", 1)[1].strip("/")) > 0
+            _check(ok, "teacher.url", self.url, "http://HOST:PORT (the server opd-serve-teacher prints)")
+
+    @property
+    def served(self) -> bool:
+        return self.name is TeacherName.served
+
+    @property
+    def from_student(self) -> bool:
+        return self.name.value in FROM_STUDENT
+
+
+def validate_teacher(cfg) -> None:
+    """What a served teacher cannot do, known from the config alone (what depends on the
+    vocabulary is checked by the objective once the pair is loaded)."""
+    from opd_exp.config.schema import EstimatorName, FusedLmHead
+
+    te = cfg.teacher
+    if te.from_student and cfg.teachers.active:
+        _fail(
+            "teacher.name",
+            te.name.value,
+            f"in_process or served with teachers.map (a map's teachers are frozen models), not {te.name.value}",
+        )
+    if te.from_student and cfg.rollout.on_policy_fraction < 1.0:
+        _fail(
+            "rollout.on_policy_fraction",
+            cfg.rollout.on_policy_fraction,
+            f"1.0 with teacher={te.name.value} (its rollouts would be the student's own: no teacher-sampled steps)",
+        )
+    if not te.served:
+        return
+    if te.privileged is not Privileged.none:
+        _fail(
+            "teacher.privileged",
+            te.privileged.value,
+            "none with teacher=served (the server is sent the student's prompt), or an in-process teacher",
+        )
+    if te.url is None and not cfg.teachers.active:  # several teachers: each one's teachers.map.<name>.url
+        _fail("teacher.url", None, "http://HOST:PORT of a running vLLM server with teacher=served (opd-serve-teacher prints it)")
+    if cfg.divergence.temperature != 1.0:
+        _fail(
+            "divergence.temperature",
+            cfg.divergence.temperature,
+            "1.0 with teacher=served (a server returns log-probs of the untempered logits; those of tempered logits cannot be "
+            "recovered from its top-k), or teacher=in_process",
+        )
+    if cfg.scale.fused_lm_head is FusedLmHead.on:
+        _fail("scale.fused_lm_head", "on", "auto or off with teacher=served (the fused head needs the teacher's hidden states)")
+    k = te.k if te.k is not None else cfg.estimator.k
+    if cfg.estimator.name in (EstimatorName.topk, EstimatorName.topk_renorm, EstimatorName.topk_generalized_kl) and cfg.estimator.k > k:
+        _fail("estimator.k", cfg.estimator.k, f"at most teacher.k={k} with teacher=served (the server sends its top-{k})")
