@@ -34,6 +34,14 @@ EXIT_PREEMPTED = 75
 # at once, without saving, as KeyboardInterrupt).
 PREEMPT_SIGNALS = tuple(getattr(signal, n) for n in ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT") if hasattr(signal, n))
 EXIT_INTERRUPTED = 130  # 128 + SIGINT: a second Ctrl-C, nothing saved after the last checkpoint
+# the guards now active (a run's), so code that waits in a worker thread (a served teacher's
+# retries) can see a signal the main thread received and stop waiting for more
+_ACTIVE: list[PreemptionGuard] = []
+
+
+def preemption_requested() -> int | None:
+    """The signal an active ``PreemptionGuard`` received (None: none), read from any thread."""
+    return next((g.signum for g in list(_ACTIVE) if g.signum is not None), None)
 
 
 class Preempted(Exception):
@@ -76,12 +84,15 @@ class PreemptionGuard:
         return self.signum is not None
 
     def __enter__(self) -> PreemptionGuard:
+        _ACTIVE.append(self)
         if threading.current_thread() is threading.main_thread():
             for sig in self.signals:
                 self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         for sig, prev in self._previous.items():
             signal.signal(sig, prev if prev is not None else signal.SIG_DFL)
         self._previous.clear()

@@ -1,4 +1,5 @@
-"""Credentials never reach a run folder or W&B: redaction by key name and by environment value."""
+"""Credentials never reach a run folder or W&B: redaction by key name, by environment value, by
+token shape, and of the user-info in URLs."""
 
 from __future__ import annotations
 
@@ -30,10 +31,24 @@ WANDB_KEY_SHAPE = re.compile(r"(?<![0-9a-fA-F])[0-9a-f]{40}(?![0-9a-fA-F])")
 # `project: ...`: a pasted W&B key there is a key),
 # also inside Hydra's comma-joined `override_dirname`
 _LABEL_VALUE = re.compile(r"(?<![\w.])[+~]*(?:logger\.)?(?:name|group|tags|project|entity)[ \t]*[:=][ \t]*(?:\[[^\]\n]*\]|[^,\s\]]*)")
+# the user-info of a URL (teacher.url, teachers.map.<name>.url): `http://user:PASSWORD@host` keeps
+# the user, `https://TOKEN@host` (a token as the user name) loses all of it
+URL_CREDENTIALS = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<info>[^/?#\s'\"]+)@")
 # `key: value` / `key=value` where the key looks like a credential (YAML records, argv)
 _SECRET_ASSIGNMENT = re.compile(
     r"(?P<key>[\w.+~/-]*(?:" + SECRET_NAME.pattern + r")[\w.-]*)(?P<sep>\s*[=:]\s*)[^\s,'\"\]}]+", re.IGNORECASE
 )
+
+
+def redact_url(text: str) -> str:
+    """``text`` with the password of every URL's user-info redacted (``user:<redacted>@``; a user
+    name alone, often a token: ``<redacted>@``)."""
+
+    def clean(m: re.Match) -> str:
+        user, colon, _ = m["info"].partition(":")
+        return f"{m['scheme']}{user}:{REDACTED}@" if colon and user != REDACTED else f"{m['scheme']}{REDACTED}@"
+
+    return URL_CREDENTIALS.sub(clean, text)
 
 
 def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
@@ -56,7 +71,7 @@ def scrub(obj: Any, secrets: Iterable[str] | None = None) -> Any:
         if isinstance(x, str):
             for s in secrets:
                 x = x.replace(s, REDACTED)
-            x = TOKEN_SHAPE.sub(REDACTED, x)
+            x = redact_url(TOKEN_SHAPE.sub(REDACTED, x))
             name, sep, value = x.partition("=")  # an override `logger.api_key=...`
             if sep and SECRET_NAME.search(name) and value:
                 return f"{name}={REDACTED}"
@@ -79,7 +94,7 @@ def redact_line(text: str, secrets: Iterable[str] | None = None) -> str:
     (``logger.api_key: unknown key``)."""
     for value in secret_values() if secrets is None else secrets:
         text = text.replace(value, REDACTED)
-    return TOKEN_SHAPE.sub(REDACTED, text)
+    return redact_url(TOKEN_SHAPE.sub(REDACTED, text))
 
 
 def scrub_text(text: str, secrets: Iterable[str] | None = None) -> str:
@@ -91,7 +106,7 @@ def scrub_text(text: str, secrets: Iterable[str] | None = None) -> str:
     for value in secrets:
         clean = clean.replace(value, REDACTED)
     clean = _LABEL_VALUE.sub(lambda m: WANDB_KEY_SHAPE.sub(REDACTED, m[0]), clean)
-    return TOKEN_SHAPE.sub(REDACTED, clean)
+    return redact_url(TOKEN_SHAPE.sub(REDACTED, clean))
 
 
 def scrub_file(path) -> bool:

@@ -79,6 +79,8 @@ def run_identity(cfg: TrainConfig, pair, teacher_scorer) -> tuple[dict[str, Any]
     record, served = pair_record(pair), teacher_scorer.identity()
     if served:
         record["teacher_server"] = {k.rsplit(".", 1)[-1]: v for k, v in served.items()}
+        if getattr(teacher_scorer, "self_tested", True) is False:  # the summary says whose accuracy it shows
+            record["teacher_server"]["self_tested"] = False
     return record, {**fingerprint.config_fingerprint(cfg), **served}
 
 

@@ -28,14 +28,27 @@ def summary(step: int, elapsed_s: float, before: dict, after: dict, own_key: str
     return out
 
 
+def served_teacher_checked(pair_record: dict | None) -> bool:
+    """False when a served teacher was never compared with the in-process copy whose greedy
+    answers give ``eval/teacher_accuracy`` (``teacher.self_test=false``)."""
+    pair_record = pair_record or {}
+    servers = [pair_record.get("teacher_server")] + [
+        t.get("server") for t in (pair_record.get("teachers") or {}).values() if isinstance(t, dict)
+    ]
+    return not any(isinstance(s, dict) and s.get("self_tested") is False for s in servers)
+
+
 def summary_line(s: dict[str, Any], run_dir: Path) -> str:
     def f(key):
         v = s.get(key)
         return "n/a" if v is None else f"{v:.3f}"
 
+    teacher = f("eval/teacher_accuracy")
+    if teacher != "n/a" and not served_teacher_checked(s.get("pair")):
+        teacher += ", the in-process copy's: teacher.self_test=false, not the server's"
     return (
         f"opd-train: student eval accuracy {f('eval/accuracy_before')} -> {f('eval/accuracy')} "
-        f"(teacher {f('eval/teacher_accuracy')}); eval reverse KL {f('eval/kl_reverse_before')} -> "
+        f"(teacher {teacher}); eval reverse KL {f('eval/kl_reverse_before')} -> "
         f"{f('eval/kl_reverse')}; {s['steps']} steps in {s['elapsed_s']:.0f} s; run folder {run_dir}"
     )
 

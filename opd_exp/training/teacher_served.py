@@ -20,28 +20,62 @@ the trainer stops at the step boundary with a checkpoint (never a step on partia
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import hashlib
+import http.client
 import json
 import math
+import signal
+import socket
+import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from opd_exp.runtime.errors import ConfigError
+from opd_exp.runtime.guards import preemption_requested
+from opd_exp.runtime.secrets import redact_url
 from opd_exp.training.rollout import Batch
 from opd_exp.training.scoring import InProcessTeacher, Pending, TeacherScorer, TeacherScores, dense_from_topk, teacher_topk, token_logprobs
 
 # Tokenized on both sides before training; the hash of the server's ids is part of the identity.
 PROBE = "Distil 12+35=47 in 3 steps: ÷, é, 中文, 🙂.\n\tThe teacher's tokens, the student's turn!"
 START = "opd-serve-teacher model_pair=<pair> port=<port>"
+# The probabilities of one position's top-k and actual token sum to at most 1; vLLM's float32
+# log-probs sum to 1 within ~1e-6, so beyond this the reply is not one distribution.
+MASS_ATOL = 1e-3
 
 
-class TeacherUnavailable(RuntimeError):
-    """The server stopped answering (or answered nonsense) during the run, after the retries."""
+class TeacherUnavailable(ConfigError, RuntimeError):
+    """The server stopped answering (or answered nonsense) during the run, after the retries.
+    The trainer stops at the step boundary with a checkpoint; anywhere else (the eval before
+    training) it is a ConfigError: one line, exit 2."""
+
+
+def split_url(key: str, url: str) -> tuple[str, str, str | None]:
+    """(``scheme://host:port/prefix`` without credentials or a trailing ``/v1``, the URL as it may be
+    shown, an ``Authorization`` header from ``user:password@`` or None); one line if unusable."""
+    shown = redact_url(url)
+    parts = urllib.parse.urlsplit(url)
+    try:
+        port = parts.port
+    except ValueError:
+        port = -1
+    if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or parts.query or parts.fragment:
+        raise ConfigError(f"{key}={shown!r} is not allowed; allowed: http://HOST:PORT (the server opd-serve-teacher prints)")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):  # the OpenAI clients' base URL: the routes below add /v1 themselves
+        path = path[:-3]
+    auth = None
+    if parts.username is not None or parts.password is not None:
+        pair = f"{urllib.parse.unquote(parts.username or '')}:{urllib.parse.unquote(parts.password or '')}"
+        auth = "Basic " + base64.b64encode(pair.encode()).decode()
+    return f"{parts.scheme}://{host}{'' if port is None else f':{port}'}{path}", shown, auth
 
 
 class _Reply(Exception):
@@ -50,6 +84,15 @@ class _Reply(Exception):
     def __init__(self, what: str, *, retry: bool, timeout: bool = False):
         super().__init__(what)
         self.what, self.retry, self.timeout = what, retry, timeout
+
+
+def _tokens_hash(tokens: list) -> str:
+    return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+
+
+def _short(ex: BaseException) -> str:
+    """An exception's text, one line and short (a garbage status line can be anything)."""
+    return " ".join(str(ex).split())[:120] or "no detail"
 
 
 def _error_message(body: bytes) -> str:
@@ -70,11 +113,11 @@ class ServedTeacher(TeacherScorer):
 
     def __init__(self, te, k: int, vocab_size: int, *, tokenizer=None):
         self.te, self.k, self.vocab_size, self.tokenizer = te, int(k), int(vocab_size), tokenizer
-        self.base = te.url.rstrip("/")
+        # base: where requests go and what lines show (never the credentials, sent as a header)
+        self.base, self.shown_url, self._auth = split_url("teacher.url", te.url)
         self.full_distribution = self.k >= self.vocab_size
+        self.self_tested = False
         self._pool = ThreadPoolExecutor(max_workers=te.max_in_flight, thread_name_prefix="teacher")
-        # direct connections: a proxy from the environment never sits between trainer and teacher
-        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
         self._server: dict[str, Any] = {}
 
     def close(self) -> None:
@@ -85,40 +128,135 @@ class ServedTeacher(TeacherScorer):
         return f"teacher.url={self.base} (model {self.te.model!r})"
 
     def _once(self, method: str, path: str, payload: dict | None) -> Any:
+        """One attempt. ``teacher.timeout_s`` is its deadline as a whole (connect, headers and
+        body): a timer cuts the socket then, so a reply trickled a byte at a time cannot hold
+        the run. Direct connections: a proxy from the environment never sits in between."""
         data = None if payload is None else json.dumps(payload).encode()
-        req = urllib.request.Request(self.base + path, data=data, method=method, headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self._auth is not None:
+            headers["Authorization"] = self._auth
+        scheme, rest = self.base.split("://", 1)
+        netloc, _, prefix = rest.partition("/")
+        cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+        limit = self.te.timeout_s
+        conn = cls(netloc, timeout=limit)
+        late = f"no reply to {path} within teacher.timeout_s={limit:g} s"
+        # the socket is kept here: the connection lets go of it once the reply's headers are in
+        guard, state = threading.Lock(), {"done": False, "cut": False, "sock": None}
+
+        def cut() -> None:
+            with guard:
+                if state["done"]:
+                    return
+                state["cut"] = True
+            if state["sock"] is not None:
+                with contextlib.suppress(OSError):
+                    state["sock"].shutdown(socket.SHUT_RDWR)
+
+        timer = threading.Timer(limit, cut)
+        timer.daemon = True
+        timer.start()
         try:
-            with self._opener.open(req, timeout=self.te.timeout_s) as r:
-                body = r.read()
-        except urllib.error.HTTPError as ex:
-            message = _error_message(ex.read())
-            raise _Reply(f"HTTP {ex.code} from {path}: {message}", retry=ex.code >= 500 or ex.code == 429) from None
-        except TimeoutError:
-            raise _Reply(f"no reply to {path} within teacher.timeout_s={self.te.timeout_s:g} s", retry=True, timeout=True) from None
-        except urllib.error.URLError as ex:
-            reason = ex.reason
-            if isinstance(reason, TimeoutError):
-                raise _Reply(f"no reply to {path} within teacher.timeout_s={self.te.timeout_s:g} s", retry=True, timeout=True) from None
-            raise _Reply(f"cannot reach the server ({reason})", retry=True) from None
-        except (ConnectionError, OSError) as ex:  # reset or closed mid-reply
-            raise _Reply(f"the connection broke ({ex.__class__.__name__}: {ex})", retry=True) from None
+            try:
+                conn.connect()
+                with guard:
+                    state["sock"] = conn.sock
+                    if state["cut"]:  # the deadline passed while connecting
+                        raise TimeoutError
+            except TimeoutError:
+                raise _Reply(late, retry=True, timeout=True) from None
+            except OSError as ex:
+                raise _Reply(f"cannot reach the server ({_short(ex)})", retry=True) from None
+            try:
+                conn.request(method, f"/{prefix}{path}" if prefix else path, body=data, headers=headers)
+                response = conn.getresponse()
+                status, body = response.status, response.read()
+            except TimeoutError:
+                raise _Reply(late, retry=True, timeout=True) from None
+            except (http.client.HTTPException, OSError) as ex:  # IncompleteRead, BadStatusLine, reset, closed mid-reply
+                if state["cut"]:
+                    raise _Reply(late, retry=True, timeout=True) from None
+                raise _Reply(f"the connection broke ({ex.__class__.__name__}: {_short(ex)})", retry=True) from None
+            with guard:
+                state["done"] = True
+                if state["cut"]:  # a close-delimited body cut at the deadline reads as complete
+                    raise _Reply(late, retry=True, timeout=True)
+        finally:
+            timer.cancel()
+            conn.close()
+        if status >= 400:
+            raise _Reply(f"HTTP {status} from {path}: {_error_message(body)}", retry=status >= 500 or status == 429)
         try:
             return json.loads(body)
         except ValueError:
             raise _Reply(f"{path} answered with something that is not JSON ({body[:80]!r})", retry=False) from None
 
     def _call(self, method: str, path: str, payload: dict | None = None, *, attempts: int | None = None) -> Any:
-        """One request with ``teacher.retries`` retries (backoff doubling); raises the last ``_Reply``."""
-        attempts = self.te.retries + 1 if attempts is None else attempts
-        for attempt in range(attempts):
+        """One request with ``teacher.retries`` retries (backoff doubling); raises the last ``_Reply``.
+        A preemption signal (SIGTERM) cuts the retries short: one more attempt at once, no backoff,
+        so the step ends soon (and the run at its boundary) whatever the server does. A reply after
+        a failed attempt is used only once the server is seen to be the same teacher."""
+        last = (self.te.retries + 1 if attempts is None else attempts) - 1
+        cut = False
+        attempt = 0
+        while True:
             try:
-                return self._once(method, path, payload)
+                reply = self._once(method, path, payload)
             except _Reply as ex:
-                if not ex.retry or attempt == attempts - 1:
-                    ex.what += f" (after {attempt + 1} attempt{'s' if attempt else ''})" if attempt else ""
-                    raise
-                time.sleep(self.te.backoff_s * 2**attempt)
-        raise AssertionError("unreachable")
+                if ex.retry and attempt < last:
+                    if not self._backoff(self.te.backoff_s * 2**attempt) and not cut:
+                        cut, last = True, attempt + 1
+                    attempt += 1
+                    continue
+                notes = [f"after {attempt + 1} attempts"] if attempt else []
+                if cut:
+                    notes.append(f"{signal.Signals(preemption_requested() or signal.SIGTERM).name} received: the retries were cut short")
+                ex.what += f" ({'; '.join(notes)})" if notes else ""
+                raise
+            if attempt and self._server:
+                self._same_teacher(path)
+            return reply
+
+    @staticmethod
+    def _backoff(seconds: float) -> bool:
+        """Sleep before a retry; False (at once) when a preemption signal arrives."""
+        end = time.monotonic() + seconds
+        while preemption_requested() is None:
+            left = end - time.monotonic()
+            if left <= 0:
+                return True
+            time.sleep(min(left, 0.05))
+        return False
+
+    def _served_entry(self, models: Any) -> dict | None:
+        entries = models.get("data") if isinstance(models, dict) else None
+        if not isinstance(entries, list):
+            return None
+        return next((m for m in entries if isinstance(m, dict) and m.get("id") == self.te.model), None)
+
+    def _same_teacher(self, path: str) -> None:
+        """After a failed attempt the server may have been restarted with another model on the same
+        port: its model list and tokenizer must still be what ``connect`` saw; one line if not."""
+        try:
+            models = self._once("GET", "/v1/models", None)
+            tokens = self._once("POST", "/tokenize", {"model": self.te.model, "prompt": PROBE, "add_special_tokens": False})
+        except _Reply as ex:
+            raise TeacherUnavailable(f"{self._where()}: checking the server again after a failed {path}: {ex.what}") from None
+        entry = self._served_entry(models)
+        if entry is None:
+            ids = [str(m.get("id")) for m in models.get("data", []) if isinstance(m, dict)] if isinstance(models, dict) else []
+            changed = [f"it serves {', '.join(map(repr, ids)) or 'no model'}, not {self.te.model!r}"]
+        else:
+            now = {"root": entry.get("root"), "max_model_len": entry.get("max_model_len")}
+            changed = [f"{k} {self._server[k]!r} -> {v!r}" for k, v in now.items() if v != self._server[k]]
+            got = tokens.get("tokens") if isinstance(tokens, dict) else None
+            if not isinstance(got, list) or _tokens_hash(got) != self._server.get("tokenizer_hash"):
+                changed.append("another tokenizer")
+        if changed:
+            raise TeacherUnavailable(
+                f"{self._where()}: after a failed {path} the server came back as another teacher ({'; '.join(changed)}); "
+                "allowed: the run's own teacher behind teacher.url (a resume is checked against it again)"
+            )
 
     def _start_error(self, ex: _Reply) -> ConfigError:
         """A failure before training: one line with what is allowed."""
@@ -143,7 +281,7 @@ class ServedTeacher(TeacherScorer):
                 f"{self._where()}: /v1/models answered {str(models)[:120]!r}, not a model list; allowed: a vLLM OpenAI-compatible server"
             )
         ids = [str(m.get("id")) for m in entries if isinstance(m, dict)]
-        entry = next((m for m in entries if isinstance(m, dict) and m.get("id") == self.te.model), None)
+        entry = self._served_entry(models)
         if entry is None:
             raise ConfigError(
                 f"{self._where()}: the server serves {', '.join(map(repr, ids)) or 'no model'}, not {self.te.model!r}; "
@@ -177,7 +315,7 @@ class ServedTeacher(TeacherScorer):
                     f"{len(local)} (first difference at id {next((i for i, (a, b) in enumerate(zip(tokens, local)) if a != b), min(len(tokens), len(local)))}): "
                     "another tokenizer; allowed: a server for this pair's teacher (same tokenizer)"
                 )
-        return hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+        return _tokens_hash(tokens)
 
     def identity(self) -> dict[str, Any]:
         """What this run trained against (fingerprinted; the URL is where, not who)."""
@@ -246,12 +384,31 @@ class ServedTeacher(TeacherScorer):
         except _Reply as ex:
             raise TeacherUnavailable(self._run_error(ex)) from None
         choices = reply.get("choices") if isinstance(reply, dict) else None
-        if not isinstance(choices, list) or len(choices) != len(prompts):
-            raise TeacherUnavailable(
-                self._malformed(f"{len(choices) if isinstance(choices, list) else 'no'} choices for {len(prompts)} prompts")
-            )
-        ordered = sorted(choices, key=lambda c: c.get("index", 0) if isinstance(c, dict) else 0)
-        return [c.get("prompt_logprobs") if isinstance(c, dict) else None for c in ordered]
+        n = len(prompts)
+        if not isinstance(choices, list) or len(choices) != n:
+            raise TeacherUnavailable(self._malformed(f"{len(choices) if isinstance(choices, list) else 'no'} choices for {n} prompts"))
+        named = reply.get("model")
+        if isinstance(named, str) and named != self.te.model:
+            raise TeacherUnavailable(self._malformed(f"the reply is from model {named!r}, not {self.te.model!r}"))
+        # one choice per prompt, matched by its index (a server may answer out of order; a choice
+        # without its index cannot be matched to its prompt)
+        by_index: dict[int, dict] = {}
+        for i, c in enumerate(choices):
+            index = c.get("index") if isinstance(c, dict) else None
+            if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < n or index in by_index:
+                raise TeacherUnavailable(
+                    self._malformed(
+                        f"choice {i} has index {index!r} (each of the {n} prompts' indices 0..{n - 1} once is what matches a choice to its prompt)"
+                    )
+                )
+            by_index[index] = c
+        out = []
+        for i in range(n):
+            echoed = by_index[i].get("prompt_token_ids")
+            if echoed is not None and echoed != prompts[i]:
+                raise TeacherUnavailable(self._malformed(f"choice {i} is for other token ids than prompt {i}'s"))
+            out.append(by_index[i].get("prompt_logprobs"))
+        return out
 
     def _run_error(self, ex: _Reply) -> str:
         where = self._where()
@@ -272,11 +429,16 @@ class ServedTeacher(TeacherScorer):
         )
 
     def _parse_row(self, plp: Any, ids: list[int], start: int, length: int, out: dict[str, torch.Tensor], row: int) -> None:
-        """Row ``row``'s response positions start..start+length-1 of ``plp`` into ``out``."""
+        """Row ``row``'s response positions start..start+length-1 of ``plp`` into ``out``. Each
+        position must be the one asked for: the top-k plus the actual token and no other, ids in
+        the vocabulary, log-probs <= 0 whose probabilities sum to at most 1 (to 1 when k covers
+        the vocabulary), within ``MASS_ATOL``."""
         k, V = self.k, self.vocab_size
         if not isinstance(plp, list) or len(plp) != len(ids):
             n = len(plp) if isinstance(plp, list) else type(plp).__name__
             raise TeacherUnavailable(self._malformed(f"{n} prompt positions for a {len(ids)}-token sequence"))
+        if plp[0] is not None:  # nothing comes before the first token: a list shifted by a position
+            raise TeacherUnavailable(self._malformed(f"position 0 is {str(plp[0])[:80]!r}, not null (another position's log-probs)"))
         for j in range(length):
             pos = start + j
             entry = plp[pos]
@@ -291,6 +453,24 @@ class ServedTeacher(TeacherScorer):
                     self._malformed(
                         f"position {pos} holds {len(top)} of the top-{k} (ids within 0..{V - 1}, log-probs <= 0) "
                         f"{'and' if actual is not None else 'without'} the actual token {ids[pos]}"
+                    )
+                )
+            kept = {tok for tok, _, _ in top} | {ids[pos]}
+            stray = next(((tok, rank) for tok, _, rank in items if tok not in kept), None)
+            if stray is not None or len({tok for tok, _, _ in items}) != len(items):
+                what = f"token {stray[0]} (rank {stray[1]})" if stray else "a token twice"
+                raise TeacherUnavailable(
+                    self._malformed(
+                        f"position {pos} holds {what} besides its top-{k} and the actual token {ids[pos]} (another position's log-probs)"
+                    )
+                )
+            mass = sum(math.exp(lp) for tok, lp, _ in {it[0]: it for it in items}.values())
+            if mass > 1.0 + MASS_ATOL or (self.full_distribution and mass < 1.0 - MASS_ATOL):
+                bound = "1" if self.full_distribution else "at most 1"
+                raise TeacherUnavailable(
+                    self._malformed(
+                        f"position {pos}: the probabilities of its {len(kept)} tokens sum to {mass:.6g}, not {bound} "
+                        f"(within {MASS_ATOL:g}): not the log-probs of one distribution"
                     )
                 )
             out["sampled"][row, j] = actual
@@ -387,11 +567,19 @@ def build_served_teacher(cfg, vocab_size: int, tokenizer, reference: InProcessTe
     k = te.k if te.k is not None else cfg.estimator.k
     teacher = ServedTeacher(te, k, vocab_size, tokenizer=tokenizer)
     try:
+        if urllib.parse.urlsplit(te.url).path.rstrip("/").endswith("/v1"):
+            warn(f"opd-train: teacher.url={teacher.shown_url} ends in /v1, which the client adds itself: using {teacher.base}")
         teacher.connect(max_sequence_tokens=cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens)
         if te.self_test:
             gaps = teacher.self_test(reference)
+            teacher.self_tested = reference is not None
             shown = ", ".join(f"{name} {gap:.2g}" for name, gap in gaps.items())
             warn(f"opd-train: served teacher {te.model!r} at {teacher.base}: self-test passed (largest log-prob differences: {shown} nats)")
+        if reference is not None and not teacher.self_tested:
+            warn(
+                f"opd-train: warning: the served teacher at {teacher.base} was not compared with the pair's in-process teacher "
+                f"(teacher.self_test={str(te.self_test).lower()}): eval/teacher_accuracy is the in-process copy's, not the server's"
+            )
     except BaseException:
         teacher.close()
         raise
