@@ -8,8 +8,12 @@ positions give a sparse ``TeacherScores`` (``divergences.topk_estimate`` is exac
 and unbiased in the tail at any k); where k covers the vocabulary the payload is rebuilt dense
 and everything is exact.
 
-Several sequences go in one request, several requests are in flight (a thread each), each with
-a timeout and retries with backoff. Before training (``connect``): the server answers, serves
+Several sequences go in one request, several requests are in flight (a thread each), each
+attempt with a deadline for its whole reply (``teacher.timeout_s``) and retries with backoff
+(transport faults too: a body cut short, a garbage status line, a reset), cut short by SIGTERM.
+A reply is checked as a whole (``_request``, ``_parse_row``): one choice per prompt by index, the
+positions and tokens asked for, probabilities summing to at most 1. After a failed attempt the
+server must still be the teacher ``connect`` saw. Before training (``connect``): the server answers, serves
 ``teacher.model`` (``/v1/models``), tokenizes like the local tokenizer (``/tokenize`` of a probe
 string, hashed), fits the run's lengths (``max_model_len``) and allows ``teacher.k`` (vLLM's
 ``--max-logprobs``); ``self_test`` scores one sequence twice and, with the pair's in-process
