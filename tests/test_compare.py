@@ -28,7 +28,7 @@ def _cells(line):
 def test_prints_the_comparison_table(tmp_path, capsys):
     folder = write_multirun(tmp_path)
     write_run(folder / "6", ["divergence=fkl", "seed=0", "trainer.max_steps=4"], None)  # a job that failed at start
-    code, out, err = compare(capsys, folder)
+    code, out, err = compare(capsys, folder, "--stat", "std")  # the default, ci95: test_compare_paper.py
     assert code == 0 and err == ""
     lines = out.splitlines()
     assert lines[0] == f"{folder}: 6 jobs, 2 variants; before training -> final, and the change, mean ± std over seeds"
@@ -61,7 +61,7 @@ def test_several_folders_single_runs_and_labels(tmp_path, capsys):
         .replace('"eval/kl_forward": 0.12}', '"eval/kl_forward": 0.12, "eval/tvd": 0.1}')
     )  # fmt: skip
     multi = write_multirun(tmp_path)
-    code, out, _ = compare(capsys, f"base={a}", f"new={b}", multi, "--final-only", "--metric", "eval/accuracy")
+    code, out, _ = compare(capsys, f"base={a}", f"new={b}", multi, "--final-only", "--metric", "eval/accuracy", "--stat", "std")
     assert code == 0
     lines = out.splitlines()
     assert lines[0] == "3 folders (base, new, 12-00-00): 8 jobs, 4 variants; final values, mean ± std over seeds"
@@ -75,7 +75,17 @@ def test_several_folders_single_runs_and_labels(tmp_path, capsys):
 
 def test_metric_option_and_markdown(tmp_path, capsys):
     code, out, _ = compare(
-        capsys, write_multirun(tmp_path), "--metric", "eval/kl_forward", "--metric", "jsd/mean", "--format", "markdown", "--final-only"
+        capsys,
+        write_multirun(tmp_path),
+        "--metric",
+        "eval/kl_forward",
+        "--metric",
+        "jsd/mean",
+        "--format",
+        "markdown",
+        "--final-only",
+        "--stat",
+        "std",
     )
     assert code == 0
     lines = out.splitlines()
@@ -185,7 +195,7 @@ def test_unfinished_jobs_are_listed_apart_with_their_step(tmp_path, capsys):
     _rewrite(folder / "2", metrics_rows(0.5, 0.02, 2)[:3])  # rkl seed 2 stopped after step 2 of 4
     _rewrite(folder / "5", metrics_rows(0.6, 0.01, 2)[:3])  # jsd seed 2 still running at step 2
     with FileLock(str(folder / "5" / ".opd-train.lock")):
-        code, out, err = compare(capsys, folder)
+        code, out, err = compare(capsys, folder, "--stat", "std")
     assert code == 0 and err == ""
     lines = out.splitlines()
     assert lines[0].startswith(f"{folder}: 4 jobs, 2 variants;")

@@ -1,4 +1,4 @@
-"""Read opd-train run folders back as tidy records, and summarise them over seeds.
+"""Read opd-train run folders (and W&B runs) back as tidy records: one ``Run`` per job.
 
 A run folder (one Hydra job) holds ``metrics.jsonl`` (one JSON object per logged step, always
 with ``step``) and ``.hydra/overrides.yaml`` (the command-line overrides that made the job). A
@@ -9,12 +9,13 @@ multirun folder holds one run folder per job (``multirun/<date>/<time>/<job_num>
     for row in summary_table(runs):
         print(row["variant"], row["seeds"], row["eval/accuracy"])
 
-A *variant* is what was compared: a job's overrides minus the seed, and minus the overrides
-that every job of the folder shares (``trainer.max_steps=50`` given once on the command line
-says nothing about which variant a job is). Seeds of one variant are averaged.
+A *variant* is what was compared: a job's overrides that tell it from the other jobs of its
+folder, minus the seed (``trainer.max_steps=50`` given once on the command line says nothing
+about which variant a job is); one run is named as W&B names it (``naming.run_name``). Seeds of
+one variant are averaged (``aggregate``).
 
-Needs only the standard library and PyYAML (which Hydra brings); matplotlib is imported inside
-``plot_curves`` only, wandb inside ``load_wandb`` only.
+Needs only the standard library and PyYAML (which Hydra brings); wandb is imported inside
+``load_wandb`` only.
 """
 
 from __future__ import annotations
@@ -23,16 +24,13 @@ import json
 import math
 import os
 import re
-import statistics
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-SEED_KEYS = ("seed",)
-TABLE_METRICS = ("eval/accuracy", "eval/jsd", "eval/kl_reverse")
-# per-step training metrics (EMA-smoothed when plotted), then the eval panels
-CURVE_METRICS = ("jsd/mean", "kl/reverse", "eval/accuracy", "eval/jsd", "eval/kl_reverse", "own")
+from opd_exp.analysis.naming import SEED_KEYS, assign_variants, parse_overrides
+
 METRICS_FILE = "metrics.jsonl"
 # metrics.jsonl is streamed, never read whole: a line longer than this is unreadable, and
 # reading stops after this many bytes (a link to a huge file must not fill the memory)
@@ -43,39 +41,6 @@ PID_FILE = ".opd-train.pid"
 OWN = "own"  # the pseudo-metric "the variant's own eval divergence" (eval/<its divergence>)
 # eval metrics that equal eval/<name> for the divergences the trainer always evaluates
 OWN_ALIASES = {"rkl": "eval/kl_reverse", "fkl": "eval/kl_forward", "jsd": "eval/jsd"}
-# Short names for tables and legends, in the words of a paper (the metric keys stay exact in
-# the code and in --metric).
-LABELS = {
-    "eval/accuracy": "eval accuracy",
-    "eval/teacher_accuracy": "teacher accuracy",
-    "eval/jsd": "eval JSD",
-    "eval/kl_reverse": "eval KL(S‖T)",
-    "eval/kl_forward": "eval KL(T‖S)",
-    "jsd/mean": "train JSD",
-    "kl/reverse": "train KL(S‖T)",
-    "kl/forward": "train KL(T‖S)",
-    "loss": "loss",
-    OWN: "eval: own divergence",
-}
-
-
-def y_label(metric: str) -> str:
-    """A panel's y-axis label: what is measured and in which unit (divergences in nats)."""
-    name = metric_label(metric).removeprefix("eval: ").removeprefix("eval ").removeprefix("train ")
-    if metric.endswith(("accuracy", "precision", "coverage", "pass@k")):
-        return f"{name} (share of problems)"
-    if metric == OWN or metric.startswith(("eval/", "jsd/", "kl/", "exact/")) or metric.endswith("entropy"):
-        return f"{name} (nats)"
-    return name
-
-
-def metric_label(metric: str) -> str:
-    """The reader's name of a metric (``eval/kl_reverse`` -> ``eval KL(S‖T)``)."""
-    if metric in LABELS:
-        return LABELS[metric]
-    if metric.startswith("eval/"):
-        return "eval " + metric[5:]
-    return metric
 
 
 class AnalysisError(Exception):
@@ -99,6 +64,8 @@ class Run:
     running: bool = False  # a process holds the run folder's lock now
     truncated: int = 0  # metrics.jsonl is longer than MAX_METRICS_BYTES: the bytes read (its start)
     estimator: str | None = None  # the estimator's name (from the run's config)
+    config: dict[str, Any] = field(default_factory=dict)  # .hydra/config.yaml (W&B: the run's config)
+    choices: dict[str, str] = field(default_factory=dict)  # Hydra's chosen option per config group (sweep, model_pair, ...)
 
     def metrics(self) -> list[str]:
         return sorted(self.series)
@@ -187,18 +154,6 @@ class Run:
 
 
 # -- reading folders ----------------------------------------------------------
-
-
-def parse_overrides(items: Iterable[str]) -> dict[str, str]:
-    """Hydra override strings -> {key: value}, in order (``+k=v``/``++k=v`` as ``k``; ``~k`` skipped)."""
-    out: dict[str, str] = {}
-    for item in items:
-        item = str(item).strip()
-        if not item or item.startswith("~") or "=" not in item:
-            continue
-        key, value = item.split("=", 1)
-        out[key.lstrip("+")] = value
-    return out
 
 
 def _read_yaml(path: Path) -> Any:
@@ -303,22 +258,22 @@ def read_run(run_dir: str | Path) -> Run:
         truncated = 0
     listed = _read_yaml(run_dir / ".hydra" / "overrides.yaml")
     overrides = parse_overrides(listed if isinstance(listed, list) else [])
+    config = _read_yaml(run_dir / ".hydra" / "config.yaml")
+    config = config if isinstance(config, dict) else {}
     seed: Any = next((overrides[k] for k in SEED_KEYS if k in overrides), None)
     if seed is None:  # not overridden: the composed config still says which seed ran
-        config = _read_yaml(run_dir / ".hydra" / "config.yaml")
-        seed = config.get("seed") if isinstance(config, dict) else None
+        seed = config.get("seed")
     try:
         seed = int(seed) if seed is not None else None
     except (TypeError, ValueError):
         seed = None
-    config = _read_yaml(run_dir / ".hydra" / "config.yaml")
-    div = config.get("divergence") if isinstance(config, dict) else None
+    div = config.get("divergence")
     divergence = overrides.get("divergence.name", overrides.get("divergence"))
     if isinstance(div, dict) and div.get("name"):
         divergence = str(div["name"])
     summary = _read_json(run_dir / "summary.json") if (run_dir / "summary.json").is_file() else {}
-    trainer = config.get("trainer") if isinstance(config, dict) else None
-    est = config.get("estimator") if isinstance(config, dict) else None
+    trainer = config.get("trainer")
+    est = config.get("estimator")
     estimator = overrides.get("estimator.name", overrides.get("estimator"))
     if isinstance(est, dict) and est.get("name"):
         estimator = str(est["name"])
@@ -335,7 +290,19 @@ def read_run(run_dir: str | Path) -> Run:
         running=_lock_held(run_dir),
         truncated=truncated,
         estimator=estimator,
+        config=config,
+        choices=_hydra_choices(run_dir),
     )
+
+
+def _hydra_choices(run_dir: Path) -> dict[str, str]:
+    """``hydra.runtime.choices`` of .hydra/hydra.yaml (which sweep, which model pair), if saved."""
+    saved = _read_yaml(run_dir / ".hydra" / "hydra.yaml")
+    try:
+        choices = saved["hydra"]["runtime"]["choices"]
+    except (TypeError, KeyError):
+        return {}
+    return {str(k): str(v) for k, v in choices.items() if isinstance(v, (str, int, float))} if isinstance(choices, dict) else {}
 
 
 def _natural_key(path: Path) -> list:
@@ -363,22 +330,6 @@ def find_failed_jobs(folder: str | Path) -> list[Path]:
         (p.parent for p in folder.rglob(".hydra") if p.is_dir() and not (p.parent / METRICS_FILE).is_file()),
         key=_natural_key,
     )
-
-
-def variant_label(overrides: dict[str, str], drop: Iterable[str] = ()) -> str:
-    """``k=v`` pairs joined by commas, without the seed and the keys in ``drop``."""
-    skip = set(SEED_KEYS) | set(drop)
-    return ",".join(f"{k}={v}" for k, v in overrides.items() if k not in skip)
-
-
-def assign_variants(runs: Sequence[Run]) -> None:
-    """Label each run by the overrides that tell the jobs apart (seed excluded)."""
-    common: set[str] = set()
-    if len(runs) > 1:
-        first = runs[0].overrides
-        common = {k for k, v in first.items() if all(r.overrides.get(k) == v for r in runs[1:])}
-    for r in runs:
-        r.variant = variant_label(r.overrides, drop=common) or variant_label(r.overrides) or "default"
 
 
 def load_runs(folder: str | Path) -> list[Run]:
@@ -477,383 +428,8 @@ def load_wandb(project: str, entity: str | None = None, group: str | None = None
                 series=series,
                 summary=dict(wr.summary or {}),
                 divergence=((wr.config or {}).get("divergence") or {}).get("name"),
+                config=dict(wr.config or {}),
             )
         )
     assign_variants(runs)
     return runs
-
-
-# -- summaries over seeds -----------------------------------------------------
-
-
-def mean_std(values: Iterable[float | None]) -> tuple[float, float, int]:
-    """(mean, sample std, n) over the finite values; std is 0 for one value, nan for none."""
-    xs = [v for v in values if v is not None and math.isfinite(v)]
-    if not xs:
-        return math.nan, math.nan, 0
-    return statistics.fmean(xs), (statistics.stdev(xs) if len(xs) > 1 else 0.0), len(xs)
-
-
-# two-sided 95% Student's t quantiles by degrees of freedom (the normal 1.960 past 30)
-T95 = (
-    (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
-    + (2.201, 2.179, 2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086)
-    + (2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-)
-
-
-def mean_ci95(values: Iterable[float | None]) -> tuple[float, float, int]:
-    """(mean, half-width of the 95% confidence interval of the mean, n) over the finite values:
-    Student's t with n - 1 degrees of freedom, as the lab reports seeds; nan half-width for
-    one value, all nan for none."""
-    m, sd, n = mean_std(values)
-    if n < 2:
-        return m, math.nan, n
-    return m, (T95[n - 2] if n - 1 <= len(T95) else 1.960) * sd / math.sqrt(n), n
-
-
-def format_ci95(values: Iterable[float | None], digits: int = 3) -> str:
-    """``mean ± half-width`` (``mean`` for one value, ``—`` for none)."""
-    m, h, n = mean_ci95(values)
-    if n == 0:
-        return "—"
-    return f"{m:.{digits}f}" if n == 1 else f"{m:.{digits}f} ± {h:.{digits}f}"
-
-
-def seed_stat(values: Iterable[float | None]) -> tuple[float, float, int]:
-    """``mean_std`` over seeds, except that a seed that ended non-finite makes the whole cell
-    non-finite (nan, or inf/-inf when every such seed agrees): a diverged seed is never averaged away."""
-    xs = [v for v in values if v is not None]
-    odd = {v for v in xs if not math.isfinite(v)}
-    if not odd:
-        return mean_std(xs)
-    value = odd.pop() if len(odd) == 1 else math.nan
-    return value, math.nan, len(xs)
-
-
-def group_by_variant(runs: Iterable[Run]) -> dict[str, list[Run]]:
-    """{variant: runs sorted by seed}, variants in the order their first job ran."""
-    groups: dict[str, list[Run]] = {}
-    for r in runs:
-        groups.setdefault(r.variant, []).append(r)
-    for rs in groups.values():
-        rs.sort(key=lambda r: (r.seed is None, r.seed or 0))
-    return groups
-
-
-def available_metrics(runs: Iterable[Run]) -> list[str]:
-    return sorted({m for r in runs for m in r.series})
-
-
-def summary_table(runs: Sequence[Run], metrics: Sequence[str] = TABLE_METRICS, *, own: bool = True) -> list[dict[str, Any]]:
-    """One row per variant: ``variant``, ``seeds``, ``n``; per metric its final value
-    (``row[m]``), its first value (``row[m + " before"]``: for eval metrics the evaluation
-    before training) and the change (``row[m + " delta"]``, per seed, then over seeds), each
-    as (mean, std, n) over seeds; with ``own`` the same for the variant's own eval divergence
-    (``own``, named in ``row["divergence"]``); and ``steps/s``."""
-    rows = []
-    for variant, rs in group_by_variant(runs).items():
-        row: dict[str, Any] = {"variant": variant, "seeds": [r.seed for r in rs], "n": len(rs)}
-        cols = list(metrics)
-        if own:
-            cols.append(OWN)
-            row["divergence"] = ",".join(dict.fromkeys(r.divergence or "?" for r in rs))
-        for key in cols:
-            after = [r.final(key) for r in rs]
-            before = [r.first(key) for r in rs]
-            row[key] = seed_stat(after)
-            row[f"{key} before"] = seed_stat(before)
-            row[f"{key} delta"] = seed_stat(a - b if a is not None and b is not None else None for a, b in zip(after, before))
-        row["steps/s"] = mean_std(r.steps_per_s() for r in rs)
-        rows.append(row)
-    return rows
-
-
-def curve(runs: Sequence[Run], metric: str) -> dict[str, list[float]]:
-    """Seeds of one variant on a common step axis: ``step``, ``mean``, ``std``, ``min``,
-    ``max``, ``n`` per step (a step some seeds did not log averages those that did)."""
-    by_step: dict[int, list[float]] = {}
-    for r in runs:
-        for step, v in r.get(metric):
-            if math.isfinite(v):
-                by_step.setdefault(step, []).append(v)  # a resumed run may repeat a step: keep both
-    out: dict[str, list[float]] = {k: [] for k in ("step", "mean", "std", "min", "max", "n")}
-    for step in sorted(by_step):
-        vs = by_step[step]
-        m, s, n = mean_std(vs)
-        for k, v in zip(out, (step, m, s, min(vs), max(vs), n)):
-            out[k].append(v)
-    return out
-
-
-# -- presentation -------------------------------------------------------------
-
-
-def format_stat(stat: tuple[float, float, int], digits: int = 4, signed: bool = False) -> str:
-    mean, std, n = stat
-    if n == 0:
-        return "n/a"
-    if not math.isfinite(mean):  # a run that ended diverged (see seed_stat)
-        return str(mean)
-    value = f"{mean:+.{digits}g}" if signed else f"{mean:.{digits}g}"
-    if n == 1:
-        return value
-    return f"{value} ± {std:.2g}"
-
-
-def table_columns(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = TABLE_METRICS, before: bool = True) -> list[tuple[str, str]]:
-    """(header, row key) of each value column: per metric before / after / Δ (or the final
-    value alone), then the own divergence's, then steps/s."""
-    cols: list[tuple[str, str]] = []
-    names = list(metrics) + ([OWN] if rows and OWN in rows[0] else [])
-    for m in names:
-        label = metric_label(m)
-        if before:
-            cols += [(f"{label} before", f"{m} before"), (f"{label} after", m), (f"Δ {label}", f"{m} delta")]
-        else:
-            cols.append((label, m))
-    return cols + [("steps/s", "steps/s")]
-
-
-def format_table(rows: Sequence[dict[str, Any]], metrics: Sequence[str] = TABLE_METRICS, fmt: str = "text", *, before: bool = True) -> str:
-    """The rows of ``summary_table`` as aligned text, a Markdown table, or CSV (mean,std
-    columns, exact metric keys). ``before``: before / after / Δ columns per metric."""
-    cols = table_columns(rows, metrics, before)
-    own = bool(rows) and OWN in rows[0]
-    if fmt == "csv":
-        import csv
-        import io
-
-        buf = io.StringIO()
-        w = csv.writer(buf, lineterminator="\n")
-        keys = [k for _, k in cols]
-        w.writerow(["variant", "seeds", "n"] + (["divergence"] if own else []) + [f"{k}_{x}" for k in keys for x in ("mean", "std")])
-        for row in rows:
-            seeds = " ".join("?" if s is None else str(s) for s in row["seeds"])
-            lead = [row["variant"], seeds, row["n"]] + ([row["divergence"]] if own else [])
-            w.writerow(lead + [f"{row[k][x]:.6g}" for k in keys for x in (0, 1)])
-        return buf.getvalue()
-    header = ["variant", "seeds"] + (["divergence"] if own else []) + [h for h, _ in cols]
-    body = [
-        [row["variant"], ",".join("?" if s is None else str(s) for s in row["seeds"])]
-        + ([row["divergence"]] if own else [])
-        + [format_stat(row[k], digits=3 if k == "steps/s" else 4, signed=k.endswith(" delta")) for _, k in cols]
-        for row in rows
-    ]
-    if fmt == "markdown":
-        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
-        lines += ["| " + " | ".join(r) + " |" for r in body]
-        return "\n".join(lines) + "\n"
-    if fmt != "text":
-        raise AnalysisError(f"table format {fmt!r} is unknown; allowed: text, markdown, csv")
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *body)]
-    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()
-    return "\n".join([line(header), line("-" * w for w in widths), *map(line, body)]) + "\n"
-
-
-_SHORT_KEYS = {"divergence.beta": "β", "divergence.alpha": "α", "rollout.on_policy_fraction": "on-policy", "loss.kl_coef": "kl_coef"}
-_BARE_KEYS = ("divergence", "variant", "estimator", "loss", "sweep", "divergence.name", "estimator.name", "loss.name")
-
-
-def short_label(variant: str) -> str:
-    """A legend label: ``divergence=jsd,divergence.beta=0.5`` -> ``jsd, β=0.5``; a dotted key
-    keeps its last part (``trainer.lr=1e-3`` -> ``lr=1e-3``); a folder label is kept."""
-    head, sep, rest = variant.rpartition(": ")
-    parts = []
-    for item in (rest if sep else variant).split(","):
-        key, eq, value = item.partition("=")
-        if not eq:
-            parts.append(item)
-        elif key in _BARE_KEYS:
-            parts.append(value)
-        else:
-            parts.append(f"{_SHORT_KEYS.get(key, key.rsplit('.', 1)[-1])}={value}")
-    label = ", ".join(parts)
-    return f"{head}: {label}" if sep else label
-
-
-_LINESTYLES = ("-", "--", ":", "-.")
-_ESTIMATOR_KEYS = ("estimator", "estimator.name")
-
-
-def _without_estimator(variant: str) -> str:
-    head, sep, rest = variant.rpartition(": ")
-    kept = ",".join(item for item in (rest if sep else variant).split(",") if item.partition("=")[0] not in _ESTIMATOR_KEYS)
-    return f"{head}{sep}{kept}" if sep else kept
-
-
-def line_styles(groups: dict[str, list[Run]]) -> dict[str, tuple[str, str]]:
-    """{variant: (colour, line style)}. When the variants differ in the estimator, colour is
-    everything else (the divergence and its parameters) and line style the estimator, so a
-    divergence x estimator grid reads at a glance; otherwise each variant has its own colour
-    (and a style of its own too, so overlapping lines stay apart in print)."""
-    estimator = {v: ",".join(sorted({r.estimator or "?" for r in rs})) for v, rs in groups.items()}
-    rest = {v: _without_estimator(v) for v in groups}
-    estimators = list(dict.fromkeys(estimator.values()))
-    others = list(dict.fromkeys(rest.values()))
-    grid = 1 < len(estimators) <= len(_LINESTYLES) and len({(rest[v], estimator[v]) for v in groups}) == len(groups)
-    if grid:
-        return {v: (f"C{others.index(rest[v]) % 10}", _LINESTYLES[estimators.index(estimator[v])]) for v in groups}
-    return {v: (f"C{i % 10}", _LINESTYLES[i % len(_LINESTYLES)]) for i, v in enumerate(groups)}
-
-
-def _spans_decades(ax) -> bool:
-    """The panel's lines are all positive and span more than a factor of 10 (one linear axis
-    would flatten the smaller ones: rkl, fkl and jsd on one panel)."""
-    ys = [y for line in ax.lines for y in line.get_ydata() if math.isfinite(y)]
-    return bool(ys) and min(ys) > 0 and max(ys) / min(ys) > 10
-
-
-def ema(values: Sequence[float], span: float) -> list[float]:
-    """Exponential moving average with weight 2/(span+1), bias-corrected at the start (the
-    first points are not pulled toward 0)."""
-    if span <= 1 or not values:
-        return list(values)
-    a = 2.0 / (span + 1.0)
-    out, acc, norm = [], 0.0, 0.0
-    for v in values:
-        acc = (1 - a) * acc + a * v
-        norm = (1 - a) * norm + a
-        out.append(acc / norm)
-    return out
-
-
-def auto_span(n_points: int) -> float:
-    """Smoothing span for a per-step curve: about 1/25 of its points, at most 100 (short
-    runs are barely smoothed)."""
-    return min(max(1.0, n_points / 25.0), 100.0)
-
-
-def plot_curves(
-    runs: Sequence[Run],
-    metrics: Sequence[str] = CURVE_METRICS,
-    *,
-    axes=None,
-    band: str = "range",
-    smooth: bool | float = True,
-    logy: bool | Sequence[str] = False,
-    title: str | None = None,
-    teacher: bool = True,
-    ncols: int = 3,
-):
-    """One panel per metric, one line per variant (mean over seeds) with the spread over seeds as a
-    band (``range``: min..max over seeds; ``std``: mean ± std). Returns the Figure.
-
-    ``smooth``: per-step training metrics (not ``eval/*``) are EMA-smoothed (True: a span of
-    about 1/25 of the points; a number: that span; False: raw), the raw mean drawn faintly
-    behind. ``logy``: log scale for every panel (True) or the named metrics. ``own``
-    as a metric is each variant's own eval divergence. ``teacher``: the teacher's eval
-    accuracy as a dashed reference line on ``eval/accuracy``. ``title``: the figure's title.
-    ``axes``: a sequence of matplotlib Axes to draw on (a notebook passes
-    ``plt.subplots(...)[1]``); without it a pyplot-free Figure is made, safe headless.
-    """
-    if band not in ("range", "std"):
-        raise AnalysisError(f"band {band!r} is unknown; allowed: range, std")
-    groups = group_by_variant(runs)
-    spare = None  # an empty grid cell: the legend goes there
-    if axes is None:
-        from matplotlib.figure import Figure
-
-        # a panel no job logged would be an empty frame: left out
-        metrics = [m for m in metrics if any(curve(rs, m)["step"] for rs in groups.values())] or list(metrics)[:1]
-        cols = min(ncols, len(metrics))
-        rows = math.ceil(len(metrics) / cols)
-        fig = Figure(figsize=(4.6 * cols, 3.4 * rows + 0.9), layout="constrained")
-        axes = list(fig.subplots(rows, cols, squeeze=False).flat)
-        for ax in axes[len(metrics) :]:
-            ax.set_visible(False)
-        spare = axes[len(metrics)] if len(axes) > len(metrics) else None
-    else:
-        axes = list(getattr(axes, "flat", axes))
-        fig = axes[0].figure
-    log_metrics = {m for m in metrics if not m.endswith("accuracy")} if logy is True else set(logy or ())
-    styles = line_styles(groups)
-    for ax, metric in zip(axes, metrics):
-        spans: list[float] = []
-        for variant, rs in groups.items():
-            c = curve(rs, metric)
-            if not c["step"]:
-                continue
-            color, style = styles[variant]
-            mean, lo, hi = c["mean"], c["min"], c["max"]
-            if band == "std":
-                lo = [m - s for m, s in zip(c["mean"], c["std"])]
-                hi = [m + s for m, s in zip(c["mean"], c["std"])]
-            span = 1.0
-            if smooth and not metric.startswith("eval/") and metric != OWN:
-                span = auto_span(len(c["step"])) if smooth is True else float(smooth)
-                spans.append(span)
-            if span > 1:
-                ax.plot(c["step"], mean, color=color, alpha=0.2, linewidth=0.8)
-                mean, lo, hi = ema(mean, span), ema(lo, span), ema(hi, span)
-            seeds = f"{len(rs)} seeds" if len(rs) > 1 else "1 seed"
-            ax.plot(
-                c["step"],
-                mean,
-                color=color,
-                linestyle=style,
-                label=f"{short_label(variant)} ({seeds})",
-                marker="." if len(c["step"]) < 20 else None,
-            )
-            if len(rs) > 1:
-                ax.fill_between(c["step"], lo, hi, color=color, alpha=0.2, linewidth=0)
-        if metric == "eval/accuracy" and teacher:
-            t = mean_std(r.final("eval/teacher_accuracy") for r in runs)
-            if t[2]:
-                lo, hi = ax.get_ylim()
-                # a teacher far above the students would squash their curves into a band: keep
-                # the students' range and say where the teacher is
-                far = bool(ax.lines) and t[0] > hi + (hi - lo)
-                where = ", above the panel" if far else ""
-                ax.axhline(t[0], color="0.3", linestyle="--", linewidth=1, label=f"teacher ({t[0]:.2f}{where})")
-                if far:
-                    ax.set_ylim(lo, hi)
-        span = max(spans, default=1.0)
-        ax.set_title(metric_label(metric) + (f" (EMA, span {span:.0f} steps)" if span >= 1.5 else ""))
-        ax.set_xlabel("training step")
-        ax.set_ylabel(y_label(metric))
-        if metric == OWN and metric not in log_metrics and _spans_decades(ax):
-            ax.set_yscale("log")  # each variant's own divergence has its own scale
-            ax.set_title(ax.get_title() + " (log scale)")
-        elif metric in log_metrics:
-            ys = [y for line in ax.lines for y in line.get_ydata()]
-            if metric.endswith("accuracy") or not ys or min(ys) <= 0:  # e.g. an unbiased KL estimate below 0
-                ax.set_title(
-                    ax.get_title() + " (linear: values ≤ 0)" if ys and min(ys) <= 0 and not metric.endswith("accuracy") else ax.get_title()
-                )
-            else:
-                ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    handles: dict[str, Any] = {}
-    for ax in axes:  # one legend for the figure: every variant once, and the teacher line
-        for h, lbl in zip(*ax.get_legend_handles_labels()):
-            handles.setdefault(lbl, h)
-    if handles:
-        from matplotlib.layout_engine import ConstrainedLayoutEngine
-
-        if spare is not None:  # the grid's empty cell holds the legend
-            spare.set_visible(True)
-            spare.axis("off")
-            spare.legend(list(handles.values()), list(handles), loc="center", fontsize="small", frameon=False)
-        elif isinstance(fig.get_layout_engine(), ConstrainedLayoutEngine):
-            fig.legend(
-                list(handles.values()),
-                list(handles),
-                loc="outside lower center",
-                ncols=min(4, len(handles)),
-                fontsize="small",
-                frameon=False,
-            )
-        else:  # the caller's figure: a legend on the first panel
-            axes[0].legend(list(handles.values()), list(handles), fontsize="small")
-    if title:
-        fig.suptitle(title)
-    return fig
-
-
-def figure_title(sources: Sequence[tuple[str, Path]], runs: Sequence[Run]) -> str:
-    """``<folder(s)>: N jobs, M steps`` for a figure's title."""
-    steps = sorted({max(r.steps(m)[-1] for m in r.series if r.series[m]) for r in runs if r.series})
-    where = str(sources[0][1]) if len(sources) == 1 else ", ".join(label for label, _ in sources)
-    span = f"{steps[0]} steps" if len(steps) == 1 else f"{steps[0]}–{steps[-1]} steps" if steps else "no steps"
-    return f"{where}: {len(runs)} jobs, {span}"

@@ -3,14 +3,20 @@
     opd-compare multirun/divergence/embedded
     opd-compare base=outputs/2025-01-01/12-00-00 new=outputs/2025-01-02/09-00-00 --format markdown
     opd-compare multirun/a multirun/b --plot curves.png --log-y --metric eval/kl_forward
+    opd-compare multirun/divergence/embedded --at-step 250 --reach eval/accuracy=0.5 --base divergence=rkl
+    opd-compare multirun/divergence/embedded --plot curves.png --x tokens --stat minmax
 
-Prints one row per variant (a job's overrides minus the seed and minus the overrides all jobs
-of its folder share; with several folders, the folder's label first) with, per metric, its
-value before training, after, and the change, as mean ± sample std over seeds; then the
-variant's own eval divergence (``eval/<its divergence>``) the same way, and training steps/s.
-A value a run ended with as nan or inf is shown so (a diverged run never looks unmoved). Jobs
-that have not reached ``trainer.max_steps`` (still running, or stopped) and jobs that wrote
-nothing are listed apart. Errors are one line on stderr with exit code 2.
+Prints one row per variant (named as W&B names the run: the overrides that tell the jobs of
+its folder apart, minus the seed; with several folders, the folder's label first) with, per
+metric, its value before training, after, and the change, as mean ± 95% interval over seeds
+(``--stat``); then the variant's own eval divergence (``eval/<its divergence>``) the same way,
+and training steps/s. ``--at-step N`` reads every run at one step instead, ``--reach
+METRIC=VALUE`` gives the steps, sampled tokens and seconds to a threshold, ``--base KEY=VALUE``
+each variant's per-seed difference from its base; those tables name variants in a paper's
+words from the runs' config (``JSD β=0.5``). A value a run ended with as nan or inf is shown so
+(a diverged run never looks unmoved). Jobs that have not reached ``trainer.max_steps`` (still
+running, or stopped) and jobs that wrote nothing are listed apart. Errors are one line on
+stderr with exit code 2.
 """
 
 from __future__ import annotations
@@ -23,17 +29,29 @@ from pathlib import Path
 from opd_exp.analysis import (
     CURVE_METRICS,
     OWN,
+    STATS,
     TABLE_METRICS,
+    X_AXES,
     AnalysisError,
+    at_step_table,
     available_metrics,
     figure_title,
     find_failed_jobs,
     format_table,
+    group_by_variant,
     load_sources,
     mean_std,
     metric_label,
+    missing_line,
+    paired_table,
+    paper_labels,
+    parse_reach,
     plot_curves,
+    reach_table,
+    reached,
+    stat_name,
     summary_table,
+    sweep_title,
 )
 
 
@@ -64,7 +82,34 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help=f"curve panel for --plot, repeatable (default: {', '.join(CURVE_METRICS)}; '{OWN}': each variant's own eval divergence)",
     )
-    p.add_argument("--band", choices=("range", "std"), default="range", help="seed band: min..max (default) or mean ± std")
+    p.add_argument(
+        "--stat",
+        choices=tuple(STATS),
+        default=None,
+        help="statistic over seeds in every table and figure band: ci95 (mean ± 95%% CI, Student's t; default), std, minmax",
+    )
+    p.add_argument("--band", choices=("range", "std"), default=None, help="older name of --stat for the figure: range (minmax) or std")
+    p.add_argument("--at-step", type=int, default=None, metavar="N", help="read every run at step N (runs that never reached it are named)")
+    p.add_argument(
+        "--reach",
+        action="append",
+        default=None,
+        metavar="METRIC=VALUE",
+        help="steps, sampled tokens and seconds to a threshold per seed (= is >= for accuracy-like metrics, <= else; >=, <= to say so); repeatable",
+    )
+    p.add_argument(
+        "--base",
+        default=None,
+        metavar="KEY=VALUE",
+        help="per-seed paired differences of each variant from the variant with KEY=VALUE (or a variant's name)",
+    )
+    p.add_argument("--x", choices=X_AXES, default="steps", help="x axis of --plot: steps (default), tokens (sampled), seconds (training)")
+    p.add_argument(
+        "--labels",
+        choices=("paper", "names"),
+        default=None,
+        help="variant labels: paper (from the config: 'JSD β=0.5'; default for --at-step/--reach/--base and --plot) or names (the run names W&B shows; default for the summary table)",
+    )
     p.add_argument("--no-smooth", action="store_true", help="plot per-step training metrics raw (default: EMA-smoothed)")
     p.add_argument("--smooth", type=float, default=None, metavar="SPAN", help="EMA span in logged steps (default: ~1/25 of the run)")
     p.add_argument("--log-y", action="store_true", help="log scale on the y axes of --plot")
@@ -100,33 +145,80 @@ def _check_plot_args(args) -> None:
         raise AnalysisError(f"--plot {args.plot} is a folder; allowed: a file name such as curves.png")
 
 
+def _stat(args) -> str:
+    if args.stat is not None:
+        return args.stat
+    return {"range": "minmax", "std": "std"}.get(args.band, "ci95")
+
+
 def run(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     _check_plot_args(args)
+    if args.at_step is not None and args.at_step < 0:
+        raise AnalysisError(f"--at-step {args.at_step}: a step is >= 0; allowed: a logged step such as 100")
+    reaches = [parse_reach(spec) for spec in args.reach or []]
+    stat = _stat(args)
     loaded, sources = load_sources(args.folders)
     runs = [r for r in loaded if r.finished]
     unfinished = [r for r in loaded if not r.finished]
-    known = available_metrics(runs)
+    known = available_metrics(loaded)
     metrics = args.metric or list(TABLE_METRICS)
     if args.metric:  # asked-for columns must exist; default ones may be missing (shown n/a)
         _check_metrics(metrics, known, "metric")
+    _check_metrics([m for m, _, _ in reaches], known, "--reach metric")
     curves = args.curve or [m for m in CURVE_METRICS if m in known or m == OWN] or list(CURVE_METRICS)
     if args.curve:
         _check_metrics(curves, known, "curve")
 
-    before = not args.final_only
-    table = format_table(summary_table(runs, metrics), metrics, fmt=args.format, before=before)
-    failed = [(label, d) for label, folder in sources for d in find_failed_jobs(folder)]
-    if args.format == "csv":
-        sys.stdout.write(table)
-    else:
-        n_var = len({r.variant for r in runs})
-        where = str(args.folders[0]) if len(sources) == 1 else f"{len(sources)} folders ({', '.join(lbl for lbl, _ in sources)})"
+    paper = args.at_step is not None or reaches or args.base is not None
+    # the table's rows: the finished runs, or at a common step every run that reached it
+    table_runs = runs if args.at_step is None else reached(loaded, args.at_step)[0]
+    groups = group_by_variant(loaded)
+    labels = paper_labels(groups) if args.labels != "names" else {v: v for v in groups}
+    csv = args.format == "csv"
+    out: list[str] = []
+    if not paper:
+        before = not args.final_only
+        rows = summary_table(runs, metrics, stat=stat)
+        if args.labels == "paper":
+            for row in rows:
+                row["variant"] = labels.get(row["variant"], row["variant"])
+        table = format_table(rows, metrics, fmt=args.format, before=before)
         what = "before training -> final, and the change" if before else "final values"
-        print(f"{where}: {len(runs)} jobs, {n_var} variants; {what}, mean ± std over seeds")
-        sys.stdout.write(table)
+        out.append(
+            table
+            if csv
+            else f"{_where(sources, runs, args)}: {len(runs)} jobs, {len({r.variant for r in runs})} variants; {what}, {stat_name(stat)}\n{table}"
+        )
+    else:
+        n_var = len({r.variant for r in loaded})
+        if not csv:
+            out.append(f"{_where(sources, loaded, args)}: {len(loaded)} jobs, {n_var} variants\n")
+        if args.at_step is not None:
+            title, table, missing = at_step_table(loaded, args.at_step, metrics, stat=stat, fmt=args.format, labels=labels)
+            out.append(table if csv else f"{title}\n{table}" + (missing_line(args.at_step, missing, labels) + "\n" if missing else ""))
+        for metric, op, value in reaches:
+            title, table = reach_table(loaded, metric, op, value, stat=stat, fmt=args.format, labels=labels)
+            out.append(table if csv else f"{title}\n{table}")
+        if args.base is not None:
+            if len({r.variant for r in table_runs}) < 2:
+                raise AnalysisError(f"--base {args.base}: one variant only; allowed: a folder (or folders) with two variants or more")
+            title, table, notes = paired_table(
+                table_runs,
+                args.base,
+                metrics,
+                step=args.at_step,
+                stat=stat,
+                fmt=args.format,
+                labels=labels,
+                reach_spec=reaches[0] if reaches else None,
+            )
+            out.append(table if csv else f"{title}\n{table}" + "".join(f"note: {n}\n" for n in notes))
+    sys.stdout.write(("\n" if csv else "").join(out))
+    failed = [(label, d) for label, folder in sources for d in find_failed_jobs(folder)]
+    if not csv:
         for label, _ in sources:
-            teacher = mean_std(r.final("eval/teacher_accuracy") for r in runs if r.source == label)
+            teacher = mean_std(r.final("eval/teacher_accuracy") for r in loaded if r.source == label)
             if teacher[2]:
                 print(f"teacher eval accuracy{f' ({label})' if len(sources) > 1 else ''}: {teacher[0]:.4g}")
         for r in loaded:
@@ -138,7 +230,7 @@ def run(argv: list[str] | None = None) -> int:
             odd = [f"{metric_label(m)} {r.final(m)}" for m in [*metrics, OWN] if r.final(m) is not None and not math.isfinite(r.final(m))]
             if odd:
                 print(f"note: {r.path}: ended non-finite at step {r.last_step()}: {', '.join(odd)}")
-        if unfinished:
+        if unfinished and args.at_step is None and (not paper or args.base is not None):
             print(f"jobs that have not reached trainer.max_steps, left out of the table: {len(unfinished)}")
             for r in unfinished:
                 print(f"  {r.path}: {r.variant} ({r.status()})")
@@ -150,15 +242,31 @@ def run(argv: list[str] | None = None) -> int:
     if args.plot is not None:
         smooth = False if args.no_smooth else (args.smooth if args.smooth is not None else True)
         # every job's curve, unfinished ones too (a running sweep is watched this way)
-        fig = plot_curves(loaded, curves, band=args.band, smooth=smooth, logy=args.log_y, title=args.title or figure_title(sources, loaded))
+        fig = plot_curves(
+            loaded,
+            curves,
+            stat=stat,
+            x=args.x,
+            labels=labels if args.labels != "names" else None,
+            smooth=smooth,
+            logy=args.log_y,
+            title=args.title or figure_title(sources, loaded),
+        )
         try:
             args.plot.parent.mkdir(parents=True, exist_ok=True)
             fig.savefig(args.plot, dpi=150)
         except OSError as ex:
             raise AnalysisError(f"--plot {args.plot} cannot be written ({ex.strerror or ex}); allowed: a writable path") from None
-        if args.format != "csv":
+        if not csv:
             print(f"curves written to {args.plot}")
     return 0
+
+
+def _where(sources, runs, args) -> str:
+    """The table's title: the sweep the runs come from (else the folder), or the folders' labels."""
+    if len(sources) > 1:
+        return f"{len(sources)} folders ({', '.join(lbl for lbl, _ in sources)})"
+    return sweep_title(sources, runs)
 
 
 def main(argv: list[str] | None = None) -> None:

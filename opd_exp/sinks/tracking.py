@@ -39,6 +39,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+# what a variant is called has one owner, shared with opd-compare
+from opd_exp.analysis.naming import SEED_KEYS, variant_name
+from opd_exp.analysis.naming import variant_overrides as _variant_overrides
 from opd_exp.divergences import DIVERGENCES, parameter_names
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.runtime.secrets import REDACTED, SECRET_NAME, plain_config, redact_label, scrub, scrub_text, secret_values  # noqa: F401
@@ -131,36 +134,15 @@ def swept_keys(overrides: Iterable[str]) -> set[str]:
 
 # -- what defines a variant: tags, the `variant` config key, group and name -------------
 
-SEED_KEYS = ("seed",)
-# overrides that never tell a variant: where and how a run reports, not what it trains
-_NOT_VARIANT = ("hydra.", "hydra/", "logger.", "logger=", "model_pair", "task.path", "scale.device", "scale.num_threads")
-# in a single run, the overrides that pick the OPD variant (the rest, budgets and sizes, is
-# the setting: it is in the config, not in the tags)
-VARIANT_KEYS = ("variant", "experiment", "divergence", "estimator", "loss", "rollout.on_policy_fraction")
-
 
 def _key(override: str) -> str:
     return override.lstrip("+~").partition("=")[0]
 
 
 def variant_overrides(overrides: Iterable[str], job: JobInfo) -> list[str]:
-    """The overrides that define this run's variant: in a multirun the swept ones (not the
-    seed); in a single run those that pick the variant (``VARIANT_KEYS``: divergence,
-    estimator, loss, ...; not ``eval.every=25``, budgets, the device, the logger)."""
-    from opd_exp.runtime.fingerprint import IGNORED
-
-    out = []
-    for o in overrides:
-        o = o.lstrip("+~")
-        k = _key(o)
-        if "=" not in o or k in SEED_KEYS or o.startswith(_NOT_VARIANT):
-            continue
-        if job.multirun and job.swept:
-            if k in job.swept:
-                out.append(o)
-        elif k not in IGNORED and (k in VARIANT_KEYS or k.startswith(tuple(f"{v}." for v in VARIANT_KEYS))):
-            out.append(o)
-    return out
+    """The overrides that define this run's variant (``naming.variant_overrides``): in a
+    multirun the swept ones (not the seed); in a single run those that pick the variant."""
+    return _variant_overrides(overrides, job.swept if job.multirun else None)
 
 
 def constant_overrides(overrides: Iterable[str], job: JobInfo) -> list[str]:
@@ -179,11 +161,6 @@ def settings_hash(overrides: Iterable[str]) -> str:
     import hashlib
 
     return hashlib.sha256("\n".join(sorted(overrides)).encode()).hexdigest()[:8]
-
-
-def variant_name(variant: Iterable[str]) -> str:
-    """``k=v`` joined by commas (the label opd-compare gives the same job), or ``default``."""
-    return ",".join(variant) or "default"
 
 
 def _override_tag(override: str) -> str | None:
