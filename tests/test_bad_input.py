@@ -80,6 +80,13 @@ cfg(
     "loss.name='direct' is not allowed; allowed: ppo or reinforce with estimator=sampled",
 )
 cfg("config/ppo_with_full", ["loss=ppo", "estimator=full"], "estimator.name='full' is not allowed; allowed: sampled with loss=ppo")
+cfg(
+    "config/live_teacher_without_context",
+    ["teacher=live", "teacher.privileged=none"],
+    "teacher.privileged='none' is not allowed; allowed: solution or answer with teacher=live",
+)
+cfg("config/ema_decay_1", ["teacher=ema", "teacher.decay=1.0"], "teacher.decay=1.0 is not allowed; allowed: 0 <= decay < 1")
+cfg("config/teacher_unknown", ["teacher.name=swa"], "teacher.name")
 cfg("config/unknown_task", ["task.name=mmlu"], "task.name='mmlu' is not allowed; allowed: " + " | ".join(TASKS))
 
 

@@ -59,9 +59,7 @@ class Batch:
 
     def __post_init__(self) -> None:
         self.source = Source(self.source)  # "student"/"teacher" from older callers
-        if self.loss_mask is None:
-            self.loss_mask = self.response_mask
-        elif self.loss_mask.shape != self.response_mask.shape:
+        if self.loss_mask is not None and self.loss_mask.shape != self.response_mask.shape:
             raise ValueError(f"Batch: loss_mask {tuple(self.loss_mask.shape)} is not the response mask's {tuple(self.response_mask.shape)}")
 
     @classmethod
@@ -113,9 +111,14 @@ class Batch:
         return int(self.response_mask.sum())
 
     @property
+    def trained_mask(self) -> torch.Tensor:
+        """``loss_mask`` where set, else the response mask (one-turn rollouts): what the loss counts."""
+        return self.response_mask if self.loss_mask is None else self.loss_mask
+
+    @property
     def num_trained_tokens(self) -> int:
         """The student's own tokens: what the loss is trained on and divided by."""
-        return int(self.loss_mask.sum())
+        return int(self.trained_mask.sum())
 
     @property
     def on_policy(self) -> bool:
@@ -135,8 +138,6 @@ class Batch:
                 changes[f.name] = fn(value)
             elif isinstance(value, Batch):
                 changes[f.name] = value._map_rows(fn)
-        if self.loss_mask is self.response_mask:  # one tensor stays one tensor
-            changes["loss_mask"] = changes["response_mask"]
         return dataclasses.replace(self, **changes)
 
     def select(self, rows: torch.Tensor | slice) -> Batch:

@@ -97,7 +97,7 @@ def fused_accumulate(
     them); the returned loss is detached.
     ``check_teacher(z)``: called on each chunk of teacher logits before its backward (guards)."""
     cfg = objective.cfg
-    mask = batch.loss_mask.bool()  # the student's own tokens
+    mask = batch.trained_mask.bool()  # the student's own tokens
     y = batch.response_ids
     positions = chunk_positions or 2 * default_chunk_size(vocab_size)  # ~64 MiB per [chunk, V] fp32 buffer
     per_token = (not on_policy or cfg.loss.credit.value == "token") and not objective.positions.by_row

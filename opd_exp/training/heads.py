@@ -76,7 +76,7 @@ class MaterialisedHead:
                     zs,
                     zt,
                     mb.response_ids,
-                    mb.loss_mask,
+                    mb.trained_mask,
                     on_policy=on_policy,
                     normalizer=n_tokens,
                     reward_advantages=mb.reward_advantages,

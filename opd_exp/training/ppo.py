@@ -163,7 +163,7 @@ class PpoUpdates:
                         zs,
                         scores,
                         mb.response_ids,
-                        mb.loss_mask,
+                        mb.trained_mask,
                         on_policy=True,
                         normalizer=n_tokens,
                         reward_advantages=mb.reward_advantages,

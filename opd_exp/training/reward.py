@@ -121,7 +121,7 @@ class RewardTerm:
             "reward/std": math.sqrt(max(sq / max(n, 1.0) - mean * mean, 0.0)),  # over the step's rows
             "reward/advantage_mean": adv_total / max(n, 1.0),  # per row, reward.coef included
         }
-        mask = batch.loss_mask  # the reward is credited to the student's own tokens
+        mask = batch.trained_mask  # the reward is credited to the student's own tokens
         per_position = adv.to(device=mask.device, dtype=torch.get_default_dtype()).unsqueeze(-1) * mask.to(torch.get_default_dtype())
         return dataclasses.replace(batch, reward_advantages=per_position)
 

@@ -136,9 +136,17 @@ class Draw:
         return cls(rows, dist_util.row_seeds(seed, step, rows) if dist.row_keyed else None)
 
 
-def count_truncated(tokenizer, prompts: Sequence[str], cap: int) -> int:
-    """How many rendered prompts are longer than ``cap`` tokens (``encode_prompts`` keeps their last ones)."""
-    return sum(len(tokenizer(p, add_special_tokens=False)["input_ids"]) > cap for p in prompts)
+def count_truncated(tokenizer, prompts: Sequence[str], cap: int, warn_once=None) -> int:
+    """How many rendered prompts are longer than ``cap`` tokens (``encode_prompts`` keeps their last
+    ones); ``warn_once(kind, text)``: said once per run, counted per step (rollout/truncated_prompts)."""
+    n = sum(len(tokenizer(p, add_special_tokens=False)["input_ids"]) > cap for p in prompts)
+    if n and warn_once is not None:
+        warn_once(
+            "truncated",
+            f"{n} of {len(prompts)} prompts are longer than rollout.max_prompt_tokens={cap} and are cut "
+            f"from the left (the last {cap} tokens are kept); counted in rollout/truncated_prompts",
+        )
+    return n
 
 
 def eos_token_ids(tokenizer, model=None) -> list[int]:

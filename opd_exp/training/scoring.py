@@ -256,7 +256,7 @@ class InProcessTeacher(TeacherScorer):
         z = self.logits(batch)
         if batch.teacher_view is not None:  # what the privileged context adds: log T(y | x, c) - log T(y | x)
             with torch.no_grad():
-                y, m = batch.response_ids, batch.loss_mask.bool()
+                y, m = batch.response_ids, batch.trained_mask.bool()
                 gain = token_logprobs(z, y) - token_logprobs(self.logits(batch, view=False), y)
                 self._gain[0] += float(gain[m].double().sum())
                 self._gain[1] += int(m.sum())

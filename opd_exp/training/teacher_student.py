@@ -4,7 +4,7 @@ Each is an in-process scorer (dense logits, every estimator and metric) whose we
 student through ``sync``, called by the trainer after every applied update (a skipped step is
 no update; each of PPO's updates is one):
 
-* ``ema``: theta_T <- decay * theta_T + (1 - decay) * theta_S, starting from the student's
+* ``ema``: theta_T <- theta_T + (1 - decay) * (theta_S - theta_T), starting from the student's
   starting weights (so the first step's teacher IS the student);
 * ``lagged``: theta_T = the student's weights after the last multiple of ``refresh_every``
   applied updates (the starting weights before the first refresh);
@@ -91,8 +91,11 @@ class EmaTeacher(StudentCopyTeacher):
         self.decay = float(decay)
 
     def _move(self, mine: dict, theirs: dict) -> None:
+        # theta_T + (1 - decay) * (theta_S - theta_T): exactly theta_T where the two are equal (the
+        # form decay * theta_T + (1 - decay) * theta_S rounds away from it, and AdamW's normalised
+        # step turns that rounding into a real update)
         for n, p in mine.items():
-            p.mul_(self.decay).add_(theirs[n].detach().to(p.dtype), alpha=1.0 - self.decay)
+            p.lerp_(theirs[n].detach().to(p.dtype), 1.0 - self.decay)
 
 
 class LaggedTeacher(StudentCopyTeacher):

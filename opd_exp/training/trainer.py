@@ -1,23 +1,18 @@
 """The on-policy distillation loop.
 
-One step: draw prompts -> the student's rollout engine (or, with probability
-1 - on_policy_fraction, the teacher's) samples responses -> per micro-batch the teacher scorer
-and the student score the same positions -> objective -> backward (loss divided by the step's
-global response-token count) -> clip, guard, optimizer step -> metrics to the sinks -> eval /
-checkpoint.
+One step: draw prompts -> the student's rollout engine (or, with probability 1 - on_policy_fraction,
+the teacher's) samples a ``Batch`` -> per micro-batch the teacher scorer and the student score the
+same positions through the LM head -> objective -> backward (divided by the step's global count of
+trained tokens) -> clip, guard, optimizer step -> the teacher scorer's ``sync`` -> metrics to the
+sinks -> eval / checkpoint. Engines, scorer and head are picked once in ``__init__``; the loop never
+asks which it has. The loop state (``TrainState``) and the scorer's state are in every checkpoint; a
+run started again in its folder resumes from the newest one that loads, bit-identical (torch is
+re-seeded from (seed, step) every step).
 
-Engines are picked once, in ``__init__``, from config: a ``RolloutEngine`` for the student (our
-lean decoder, HF ``generate`` or vLLM) and one for the teacher, a ``TeacherScorer`` for the teacher's scores
-(in-process logits, or a served teacher's top-k log-probs: ``teacher`` config group).
-The loop state is one ``TrainState`` saved in every checkpoint; a run started again in a
-folder with a checkpoint resumes from the newest one that loads. Each step re-seeds torch from
-(seed, step), so a resumed run samples the same tokens and ends bit-identical.
-
-Guards (docs/reliability.md): a step whose teacher logits, loss or gradient norm is not finite
-is skipped and counted (``guard/skipped_steps``); ``trainer.max_bad_steps`` in a row stop the
-run (``Diverged``) without a checkpoint. A step without response tokens is a counted no-op
-(``guard/empty_steps``). SIGTERM/SIGUSR1/SIGUSR2 save at the next step boundary and raise
-``Preempted``. One process per run folder (``RunLock``).
+Guards (docs/reliability.md): a step whose teacher logits, loss or gradient norm is not finite is
+skipped and counted; ``trainer.max_bad_steps`` in a row stop the run (``Diverged``); a step without
+trained tokens is a counted no-op; SIGTERM/SIGUSR1/SIGUSR2 save at the next step boundary (exit 75);
+one process per run folder (``RunLock``).
 """
 
 from __future__ import annotations
@@ -28,7 +23,6 @@ import json
 import math
 import random
 import signal
-import sys
 import time
 import warnings
 from functools import partial
@@ -43,10 +37,10 @@ from opd_exp.runtime import distributed as dist_util
 from opd_exp.runtime import precision as prec
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.runtime.guards import Diverged, NonFinite, Preempted, PreemptionGuard, StepGuard, nonfinite_summary
-from opd_exp.runtime.secrets import scrub_text
 from opd_exp.sinks import Progress, Sink
 from opd_exp.training.advice import EvalRise, NoSignal
 from opd_exp.training.checkpoints import checkpoint_views, resume_session
+from opd_exp.training.console import Console
 from opd_exp.training.engines import build_engines, require_extras, run_identity
 from opd_exp.training.evaluate import EvalDivergences, Evaluator, eval_problems, require_finite
 from opd_exp.training.heads import build_head
@@ -93,8 +87,8 @@ class Trainer:
         self.teacher, self.teachers = TeacherSet.load(cfg, pair, teacher_device, splits, load_map_teacher, student=self.student)
         self.student.train()
         self.autocast = partial(prec.autocast, self.device, sc.precision.value)
-        self._progress: Progress | None = None
-        self._warned: set[str] = set()
+        self.console = Console(self.run_dir, main=self.dist.is_main)  # stderr + train.log
+        self.warn, self.log_line, self._warn_once = self.console.warn, self.console.log_line, self.console.warn_once
 
         # Engines, picked once: the loop below never asks which ones it has.
         fsdp = self.dist.active and self.dist.parallel == "fsdp"
@@ -165,37 +159,8 @@ class Trainer:
     def step(self) -> int:
         return self.state.step
 
-    def warn(self, line: str) -> None:
-        """One line on stderr (through the progress bar while it is shown), and in train.log."""
-        if self._progress is not None:
-            self._progress.write(line)
-        else:
-            print(line, file=sys.stderr, flush=True)
-        self.log_line(line)
-
-    def log_line(self, line: str) -> None:
-        """Append to ``<run>/train.log`` (Hydra's job log file): the console's lines, kept."""
-        if not self.dist.is_main:
-            return
-        with contextlib.suppress(OSError), open(self.run_dir / "train.log", "a", encoding="utf-8") as f:
-            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {scrub_text(line)}\n")  # e.g. a token in the run folder's path
-
-    def _warn_once(self, kind: str, text: str) -> None:
-        if kind not in self._warned:
-            self._warned.add(kind)
-            self.warn(f"opd-train: warning: {text}")
-
     def _count_truncated(self, prompts) -> int:
-        """How many rendered prompts exceed rollout.max_prompt_tokens (the rollout keeps their
-        last tokens); warned once per run, counted per step."""
-        cap = self.cfg.rollout.max_prompt_tokens
-        if n := count_truncated(self.tokenizer, prompts, cap):
-            self._warn_once(
-                "truncated",
-                f"{n} of {len(prompts)} prompts are longer than rollout.max_prompt_tokens={cap} and are cut "
-                f"from the left (the last {cap} tokens are kept); counted in rollout/truncated_prompts",
-            )
-        return n
+        return count_truncated(self.tokenizer, prompts, self.cfg.rollout.max_prompt_tokens, warn_once=self._warn_once)
 
     # -- one step -------------------------------------------------------------
     def _on_policy(self, step: int) -> bool:
@@ -314,6 +279,8 @@ class Trainer:
         finally:
             self.student.train(was_training)
         out = self.eval_divergences.name_own(out)
+        # what the eval's teacher scoring measured (teacher.privileged: eval/self/privileged_gain), kept out of the next step's
+        out.update({f"eval/{k}": v for k, v in self.teacher_scorer.metrics().items() if k == "self/privileged_gain"})
         if self.state.teacher_accuracy is None:
             out.update(self.teachers.accuracy(self.evaluator, self.engines.eval_teacher))  # and each teacher's on its prompts
             self.state.teacher_accuracy = out["eval/teacher_accuracy"]
@@ -401,7 +368,7 @@ class Trainer:
         )
         if self.pair_record:
             sink.config({"pair": self.pair_record})
-        self._progress = progress = Progress(tc.max_steps, initial=self.step, enabled=tc.progress)
+        self.console.progress = progress = Progress(tc.max_steps, initial=self.step, enabled=tc.progress)
         t_start = time.perf_counter() - state.elapsed_s
         try:
             if not resumed or self._session.get("eval_set_changed"):  # a fresh run, or an extension onto a new eval set
@@ -421,6 +388,10 @@ class Trainer:
                 except TeacherUnavailable as ex:
                     if metrics is not None:  # the step finished: its row is kept, without the lost eval
                         sink.log(metrics, step=self.step)
+                    if self._stop_requested(preempt):  # a signal cut the teacher's retries short: the preemption stop
+                        self.optimizer.zero_grad(set_to_none=True)
+                        state.cursor.load_state_dict(cursor)
+                        return self._preempted(preempt)
                     raise self._teacher_lost(ex, cursor) from None
                 if self.step % tc.log_every == 0 or last or "eval/accuracy" in metrics:
                     sink.log(metrics, step=self.step)
@@ -437,17 +408,21 @@ class Trainer:
                 if stop_after is not None and done_now >= stop_after and not last:
                     return {}
             if self._stop_requested(preempt) and self.step < tc.max_steps:
-                stop = Preempted(preempt.signum or signal.SIGTERM, self.step, self.save())
-                stop.previous_handler = preempt.previous_handler()
-                return stop
+                return self._preempted(preempt)
             summary = self.summary()
             sink.summary(summary)
         finally:
             progress.close()
-            self._progress = None
+            self.console.progress = None
             sink.close()
             self.teacher_scorer.close()
         return summary
+
+    def _preempted(self, preempt: PreemptionGuard) -> Preempted:
+        """Saved at the last finished step; ``run`` raises it (exit 75)."""
+        stop = Preempted(preempt.signum or signal.SIGTERM, self.step, self.save())
+        stop.previous_handler = preempt.previous_handler()
+        return stop
 
     def _teacher_lost(self, ex: TeacherUnavailable, cursor: dict) -> ConfigError:
         """The teacher server was lost: the data position goes back to the last finished step (``cursor``), a checkpoint is saved there, one line says how to resume."""
