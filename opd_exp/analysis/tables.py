@@ -197,7 +197,7 @@ def reach_table(
                 per_seed,
             ]
         )
-    title = f"to {metric_label(metric)} {op} {value:g}: first logged step per seed; {stat_name(stat)} that reached it"
+    title = f"to {metric_label(metric)} {op} {value:g}: the first logged step per seed; {stat_name(stat)} that reached it"
     return title, render(header, body, fmt)
 
 
