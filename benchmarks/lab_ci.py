@@ -8,7 +8,9 @@ accuracy over all evals after step 0 (the area under the curve, less noisy than 
 seed the first eval step whose greedy accuracy reaches each ``--at`` level ("-" if it never
 does), and each arm's difference from the ``--base`` arm, paired by seed (the two runs of a seed
 share the seed of their prompt order and sampling), mean ± 95% CI. An arm is its sweep override without
-``variant=`` (``opd``, ``rollout.on_policy_fraction=0.0``).
+``variant=`` (``opd``, ``rollout.on_policy_fraction=0.0``). The pairing of arms with their base
+and the per-seed differences are the package's (``opd_exp.analysis.base_variants`` and
+``paired``, as ``opd-compare --base`` uses them); this script keeps the lab's table layout.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from opd_exp.analysis import AnalysisError, group_by_variant, load_runs
+from opd_exp.analysis import AnalysisError, base_variants, first_reach, group_by_variant, load_runs, paired
 from opd_exp.analysis import format_ci95 as ci95
 
 METRICS = ["eval/accuracy", "eval/kl_reverse", "eval/kl_forward", "reward/mean"]
@@ -38,8 +40,8 @@ def final_mean(run, metric: str, last: int = 50) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
-def first_reach(run, level: float) -> int | None:
-    return next((s for s, v in run.get("eval/accuracy") if v >= level - 1e-12), None)
+def reach_accuracy(run, level: float) -> int | None:
+    return first_reach(run, "eval/accuracy", ">=", level)
 
 
 def report(folder: Path, levels: list[float], metrics: list[str], base_arm: str) -> None:
@@ -65,33 +67,24 @@ def report(folder: Path, levels: list[float], metrics: list[str], base_arm: str)
         head = ["arm", *[f">= {x:g}" for x in levels]]
         print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
         for arm, rs in groups.items():
-            cells = [", ".join(str(first_reach(r, x)) if first_reach(r, x) is not None else "-" for r in rs) for x in levels]
+            cells = [", ".join(str(reach_accuracy(r, x)) if reach_accuracy(r, x) is not None else "-" for r in rs) for x in levels]
             print("| " + " | ".join([arm, *cells]) + " |")
-    diffs = [(arm, rs, base_of(arm, base_arm)) for arm, rs in groups.items()]
-    diffs = [(arm, rs, base) for arm, rs, base in diffs if base != arm and base in groups]
+    try:
+        bases = base_variants(groups, base_arm)
+    except AnalysisError as exc:  # KEY=VALUE that no arm of this folder sets: no differences here
+        print(f"\nno differences from {base_arm}: {exc}")
+        bases = {}
+    diffs = [(arm, groups[arm], base) for arm, base in bases.items()]
     if diffs:
         print(f"\ndifference from {base_arm}, per seed, then mean ± 95% CI:\n")
         head = ["arm", "final accuracy", "mean accuracy over the evals after step 0", "final eval/kl_reverse"]
         print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
         for arm, rs, base in diffs:
-            by_seed = {r.seed: r for r in groups[base]}
-            pairs = [(r, by_seed[r.seed]) for r in rs if r.seed in by_seed]
             cols = []
             for get in (lambda r: r.final("eval/accuracy"), mean_after_start, lambda r: r.final("eval/kl_reverse")):
-                d = [get(a) - get(b) for a, b in pairs]
+                d, _, _ = paired(rs, groups[base], get)
                 cols.append(f"{ci95(d)} ({', '.join(f'{x:+.3f}' for x in d)})")
             print("| " + " | ".join([arm, *cols]) + " |")
-
-
-def base_of(arm: str, base: str) -> str:
-    """The arm an arm is compared with: ``base`` itself, or for ``key=value`` the arm's own
-    overrides with that key set to that value (``divergence=fkl,rollout.on_policy_fraction=1.0``
-    -> ``divergence=fkl,rollout.on_policy_fraction=0.0``)."""
-    key, sep, _ = base.partition("=")
-    parts = arm.split(",")
-    if not sep or not any(p.startswith(key + "=") for p in parts):
-        return base
-    return ",".join(base if p.startswith(key + "=") else p for p in parts)
 
 
 def main() -> None:
