@@ -28,7 +28,11 @@
 # 3. the newest folder under `./multirun` (or `../multirun` when started from `notebooks/`).
 #
 # A *variant* is a job's Hydra overrides minus the seed and minus the overrides every job
-# shares; e.g. `divergence=jsd,divergence.beta=0.5`.
+# shares; e.g. `divergence=jsd,divergence.beta=0.5` (the name W&B gives the run). Tables and
+# legends name it from the run's config in a paper's words (`JSD β=0.5`, `reverse KL`), and
+# every table and legend says its statistic over seeds: `STAT` (`ci95`: mean ± 95% CI,
+# Student's t; `std`; `minmax`). `AT_STEP`, `REACH` and `BASE` are the paper tables of
+# `opd-compare --at-step N --reach METRIC=VALUE --base KEY=VALUE`; `X` the figures' x axis.
 
 # %%
 import os
@@ -38,13 +42,21 @@ import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
 from opd_exp.analysis import (
+    at_step_table,
+    figure_title,
     format_table,
     group_by_variant,
     latest_multirun,
     load_runs,
     load_wandb,
+    missing_line,
+    paired_table,
+    paper_labels,
+    parse_reach,
     plot_curves,
-    short_label,
+    reach_table,
+    reached,
+    stat_name,
     summary_table,
 )
 
@@ -52,7 +64,11 @@ MULTIRUN = os.environ.get("OPD_MULTIRUN")
 WANDB_PROJECT = os.environ.get("WANDB_PROJECT")
 WANDB_ENTITY = os.environ.get("WANDB_ENTITY")
 WANDB_GROUP = os.environ.get("OPD_WANDB_GROUP")
-BAND = "range"  # seeds as min..max; "std" for mean ± std
+STAT = os.environ.get("OPD_STAT", "ci95")  # ci95 (mean ± 95% CI, Student's t), std, minmax
+X = os.environ.get("OPD_X", "steps")  # the figures' x axis: steps, tokens (sampled), seconds (training)
+AT_STEP = int(os.environ["OPD_AT_STEP"]) if os.environ.get("OPD_AT_STEP") else None  # None: the last step every run reached
+REACH = os.environ.get("OPD_REACH", "eval/accuracy=0.5")  # steps to a threshold
+BASE = os.environ.get("OPD_BASE")  # KEY=VALUE (or a variant): paired differences; None: the first variant
 
 # %%
 runs, source = None, None
@@ -73,9 +89,11 @@ if not runs:
     runs, source = load_runs(folder), str(folder)
 
 groups = group_by_variant(runs)
-print(f"{source}: {len(runs)} jobs, {len(groups)} variants")
+labels = paper_labels(groups)
+title = figure_title([(source, Path(source))], runs)
+print(title)
 for variant, rs in groups.items():
-    print(f"  {short_label(variant)}: seeds {[r.seed for r in rs]}, {max(len(r.steps('loss')) for r in rs)} logged training steps")
+    print(f"  {labels[variant]} ({variant}): seeds {[r.seed for r in rs]}, {max(len(r.steps('loss')) for r in rs)} logged training steps")
 
 # %% [markdown]
 # ## Training curves
@@ -86,7 +104,7 @@ for variant, rs in groups.items():
 
 # %%
 fig, axes = plt.subplots(1, 3, figsize=(16, 4.4), layout="constrained")
-plot_curves(runs, ["jsd/mean", "kl/reverse", "eval/accuracy"], axes=axes, band=BAND, title=f"{source}: training")
+plot_curves(runs, ["jsd/mean", "kl/reverse", "eval/accuracy"], axes=axes, stat=STAT, x=X, labels=labels, title=f"{title}: training")
 plt.show()
 
 # %% [markdown]
@@ -96,19 +114,45 @@ plt.show()
 
 # %%
 fig, axes = plt.subplots(1, 4, figsize=(20, 4.4), layout="constrained")
-plot_curves(runs, ["eval/jsd", "eval/kl_reverse", "eval/kl_forward", "own"], axes=axes, band=BAND, title=f"{source}: evaluation")
+plot_curves(
+    runs, ["eval/jsd", "eval/kl_reverse", "eval/kl_forward", "own"], axes=axes, stat=STAT, x=X, labels=labels, title=f"{title}: evaluation"
+)
 plt.show()
 
 # %% [markdown]
 # ## Final comparison
-# Per variant: each metric before training, after, and the change, as mean ± sample std over
-# its seeds; then its own divergence the same way.
+# Per variant: each metric before training, after, and the change, over its seeds (`STAT`);
+# then its own divergence the same way.
 
 # %%
-rows = summary_table(runs)
+finished = [r for r in runs if r.finished]
+rows = summary_table(finished, stat=STAT)
 for row in rows:
-    row["variant"] = short_label(row["variant"])
+    row["variant"] = labels[row["variant"]]
+print(f"final values, {stat_name(STAT)}")
 display(Markdown(format_table(rows, fmt="markdown")))
 teacher = [r.final("eval/teacher_accuracy") for r in runs if r.final("eval/teacher_accuracy") is not None]
 if teacher:
     print(f"teacher eval accuracy: {teacher[0]:.4g}")
+
+# %% [markdown]
+# ## For the paper: a common step, steps to a threshold, differences from a base
+# Every run read at one step (`AT_STEP`; by default the last step every run reached), the
+# steps, sampled tokens and training seconds until `REACH` holds (per seed; runs that never
+# get there are counted), and each variant minus its base, paired by seed.
+
+# %%
+step = AT_STEP if AT_STEP is not None else min(r.last_step() or 0 for r in runs)
+head, table, missing = at_step_table(runs, step, stat=STAT, fmt="markdown", labels=labels)
+display(Markdown(f"{head}\n\n{table}"))
+if missing:
+    print(missing_line(step, missing, labels))
+head, table = reach_table(runs, *parse_reach(REACH), stat=STAT, fmt="markdown", labels=labels)
+display(Markdown(f"{head}\n\n{table}"))
+if len(groups) > 1:
+    head, table, notes = paired_table(
+        reached(runs, step)[0], BASE or next(iter(groups)), step=step, stat=STAT, fmt="markdown", labels=labels
+    )
+    display(Markdown(f"{head}\n\n{table}"))
+    for note in notes:
+        print(note)

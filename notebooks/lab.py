@@ -33,8 +33,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 from IPython.display import Markdown, display
 
-from opd_exp.analysis import format_ci95, group_by_variant, load_runs
-from opd_exp.analysis.runs import curve
+from opd_exp.analysis import curve, format_ci95, group_by_variant, load_runs
 
 ROOT = Path(os.environ.get("OPD_LAB_ROOT") or ("multirun" if Path("multirun").exists() else "../multirun"))
 FIGURES = os.environ.get("OPD_LAB_FIGURES", "docs/results" if Path("docs").exists() else "../docs/results")

@@ -88,10 +88,16 @@ def test_notebook_compare_variants_runs_on_a_tiny_multirun(tmp_path, monkeypatch
     monkeypatch.delenv("WANDB_PROJECT", raising=False)
     nb, seconds = execute("compare_variants", tmp_path, monkeypatch)
     text = text_outputs(nb)
-    assert f"{folder}: 6 jobs, 2 variants" in text
-    # the reader's names: short variant labels and metric names, before / after / change
+    assert f"{folder}: 6 jobs, 4 steps" in text
+    # the reader's names: labels in a paper's words and metric names, before / after / change,
+    # mean ± 95% CI (Student's t: 4.303 * 0.01 / sqrt(3) = 0.025)
+    assert "final values, mean ± 95% CI over seeds (Student's t)" in text
     assert "| variant | seeds | divergence | eval accuracy before | eval accuracy after | Δ eval accuracy |" in text
-    assert "| jsd, β=0.5 | 0,1,2 | jsd | 0.1 ± 0 | 0.61 ± 0.01 | +0.51 ± 0.01 |" in text
+    assert "| JSD β=0.5 | 0,1,2 | jsd | 0.1 ± 0 | 0.61 ± 0.025 | +0.51 ± 0.025 |" in text
+    # the paper tables: at the last common step, steps to eval accuracy 0.5, differences from the first variant
+    assert "at step 4: 6 jobs, 2 variants; mean ± 95% CI over seeds (Student's t)" in text
+    assert "| JSD β=0.5 | 0,1,2 | 3/3 | 4 ± 0 |" in text
+    assert "| JSD β=0.5 | reverse KL | 0,1,2 | +0.100 ± 0.000 (+0.100, +0.100, +0.100) |" in text
     assert "divergence=" not in text.split("teacher eval accuracy")[0].split("| variant |")[1]
     assert "teacher eval accuracy: 0.9" in text
     assert images(nb) == 2

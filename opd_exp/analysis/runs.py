@@ -433,3 +433,14 @@ def load_wandb(project: str, entity: str | None = None, group: str | None = None
         )
     assign_variants(runs)
     return runs
+
+
+def __getattr__(name: str) -> Any:
+    """Names that lived here before the split (``from opd_exp.analysis.runs import curve``)
+    still resolve, to the package's."""
+    import importlib
+
+    package = importlib.import_module("opd_exp.analysis")
+    if name in package.__all__:
+        return getattr(package, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
