@@ -172,7 +172,7 @@ def test_compare_on_a_real_tiny_multirun(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     lines = done.stdout.splitlines()
-    assert lines[0] == f"{sweep}: 4 jobs, 2 variants; before training -> final, and the change, mean ± std over seeds"
+    assert lines[0] == f"{sweep}: 4 jobs, 2 variants; before training -> final, and the change, mean ± 95% CI over seeds (Student's t)"
     rows = {_cells(ln)[0]: _cells(ln) for ln in lines[3:5]}
     assert set(rows) == {"divergence=rkl", "divergence=jsd"}
     for cells in rows.values():
