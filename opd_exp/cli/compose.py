@@ -18,9 +18,10 @@ def to_train_config(cfg: DictConfig) -> TrainConfig:
     if not isinstance(typed, TrainConfig):
         raise ConfigError(f"config root is {type(typed).__name__}; allowed: a TrainConfig (conf/train.yaml)")
     _reject_unknown_keys(typed)
-    from opd_exp.cli.plugin_check import check_plugin_divergence
+    from opd_exp.cli.plugin_check import check_plugin_divergence, check_plugin_estimator
 
     check_plugin_divergence(typed.divergence.name.value, typed.divergence.params())  # a plugin's costs checked before it trains
+    check_plugin_estimator(typed)  # and a plugin estimator's expected gradient
     check_pair_task(typed)
     return typed
 

@@ -69,3 +69,25 @@ def check_plugin_divergence(name: str, params: dict) -> None:
             marker.write_text(f"{cls.__module__}.{cls.__qualname__} {json.dumps(params, sort_keys=True)}\n")
         except OSError:
             pass  # a read-only cache: check again next time
+
+
+def check_plugin_estimator(cfg) -> None:
+    """Run ``check_estimator`` on a registered estimator that is not one of ours, at the run's
+    divergence and loss; refuse it in one line when its expected gradient is not the divergence's."""
+    from opd_exp.training.estimators import EstimatorCheckError, check_estimator, get_estimator
+
+    est = get_estimator(cfg.estimator.name.value)
+    cls = type(est)
+    if cls.__module__.split(".")[0] == "opd_exp":
+        return
+    where = f"estimator={cls.name} ({cls.__module__}.{cls.__qualname__})"
+    try:
+        check_estimator(cfg)
+    except EstimatorCheckError as ex:
+        raise ConfigError(
+            f"{where} fails check_estimator: {first_line(ex)}; allowed: an estimator whose expected gradient is the divergence's (docs/extending.md)"
+        ) from None
+    except Exception as ex:  # the plugin's own code raised
+        raise ConfigError(
+            f"{where}: check_estimator raised {type(ex).__name__}: {first_line(ex)}; allowed: an estimator that passes check_estimator (docs/extending.md)"
+        ) from None

@@ -51,15 +51,16 @@ def _on_new_divergence(cls) -> None:
     DivergenceName._add(cls.name)
 
 
-class EstimatorName(Enum):
-    sampled = "sampled"  # REINFORCE on the sampled token's exact cost
-    topk = "topk"  # exact over the teacher's top-k + unbiased sampled tail
-    topk_renorm = "topk_renorm"  # ms-swift / NeMo-RL renormalised top-k (biased; explicit only)
-    topk_student = "topk_student"  # exact over the student's top-k + unbiased sampled tail
-    topk_union = "topk_union"  # exact over both top-k sets + unbiased sampled tail
-    topk_generalized_kl = "topk_generalized_kl"  # ms-swift MOPD (biased low; KL only)
-    topk_verl = "topk_verl"  # verl *_topk: both top-k, floored, clamped at 0 (biased)
-    full = "full"  # exact over the whole vocabulary
+# estimator.name: a registry (training/estimators.py; register_estimator adds one). Built in:
+# sampled (REINFORCE on the sampled token's exact cost) | topk (exact over the teacher's top-k +
+# unbiased sampled tail) | topk_renorm (ms-swift / NeMo-RL renormalised top-k; biased) |
+# topk_student / topk_union (exact over the student's / both top-k sets + unbiased tail) |
+# topk_generalized_kl (ms-swift MOPD; biased low, KL only) | topk_verl (verl *_topk; biased) |
+# full (exact over the whole vocabulary)
+EstimatorName = _RegistryChoice(
+    "EstimatorName",
+    [(n, n) for n in ("sampled", "topk", "topk_renorm", "topk_student", "topk_union", "topk_generalized_kl", "topk_verl", "full")],
+)
 
 
 class Baseline(Enum):

@@ -118,8 +118,6 @@ class TeacherConfig:
 def validate_teacher(cfg) -> None:
     """What a served teacher cannot do, known from the config alone (what depends on the
     vocabulary is checked by the objective once the pair is loaded)."""
-    from opd_exp.config.schema import EstimatorName, FusedLmHead
-
     te = cfg.teacher
     if te.from_student and cfg.teachers.active:
         _fail(
@@ -150,8 +148,8 @@ def validate_teacher(cfg) -> None:
             "1.0 with teacher=served (a server returns log-probs of the untempered logits; those of tempered logits cannot be "
             "recovered from its top-k), or teacher=in_process",
         )
-    if cfg.scale.fused_lm_head is FusedLmHead.on:
+    if cfg.scale.fused_lm_head.value == "on":
         _fail("scale.fused_lm_head", "on", "auto or off with teacher=served (the fused head needs the teacher's hidden states)")
     k = te.k if te.k is not None else cfg.estimator.k
-    if cfg.estimator.name in (EstimatorName.topk, EstimatorName.topk_renorm, EstimatorName.topk_generalized_kl) and cfg.estimator.k > k:
+    if cfg.estimator.name.value in ("topk", "topk_renorm", "topk_generalized_kl") and cfg.estimator.k > k:
         _fail("estimator.k", cfg.estimator.k, f"at most teacher.k={k} with teacher=served (the server sends its top-{k})")

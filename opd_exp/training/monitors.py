@@ -95,13 +95,16 @@ def exact_divergences(cfg: TrainConfig) -> dict[str, Divergence]:
 def token_metric_names(cfg: TrainConfig, *, sparse: bool = False, by: str | None = None) -> tuple[str, ...]:
     """The per-token metrics a student-sampled step of this run logs (``by``: only the
     objective's or the monitors')."""
+    from opd_exp.training.estimators import get_estimator
+
+    logs = get_estimator(cfg.estimator.name.value).metrics  # the estimator says which estimator/* it logs
     off = {
         "exact_metrics": not cfg.trainer.exact_metrics,
         "overlap_k": not cfg.trainer.overlap_k,
         "unfiltered": cfg.rollout.filtered,
         "whole_teacher": sparse,
-        "topk_estimator": not cfg.estimator.name.value.startswith("topk"),
-        "loss_clamp": cfg.estimator.name.value != "topk_verl",
+        "topk_estimator": "estimator/teacher_mass" not in logs,
+        "loss_clamp": "estimator/clamp_rate" not in logs,
         "baseline": cfg.estimator.baseline.value == "none",
         "weighted": not cfg.positions.weighted,
         "entropy_gate": cfg.positions.name.value != "entropy_gate",

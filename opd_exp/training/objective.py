@@ -48,32 +48,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from opd_exp.config.schema import TOPK_VARIANTS, Baseline, Credit, EstimatorName, LossName, TrainConfig
+from opd_exp.config.schema import TOPK_VARIANTS, Baseline, EstimatorName, LossName, TrainConfig
 from opd_exp.divergences import (
     TOPK_ESTIMATORS,
-    expected_cost,
     filtered_value,
-    generalized_kl_topk,
     get_divergence,
-    sequence_returns,
-    topk_estimate,
-    topk_expected_cost,
-    truncation_masses,
 )
 from opd_exp.runtime.errors import ConfigError
+from opd_exp.training.estimators import StepInputs, get_estimator, ppo_surrogate
 from opd_exp.training.monitors import OUTSIDE, exact_divergences, metric_beta, step_monitors, token_metric_names
 from opd_exp.training.positions import PositionWeights, position_mask
 from opd_exp.training.reward import with_reward
 from opd_exp.training.scoring import TeacherScores, token_logprobs
 
 __all__ = ["Objective", "Output", "metric_beta", "position_mask", "ppo_surrogate"]
-
-
-def ppo_surrogate(ratio: torch.Tensor, advantages: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """PPO's clipped per-token loss -min(A r, A clip(r, 1-eps, 1+eps)), and where the clip is
-    active (the clipped term is the smaller: its gradient is 0 there)."""
-    unclipped, clipped = advantages * ratio, advantages * ratio.clamp(1 - eps, 1 + eps)
-    return -torch.minimum(unclipped, clipped), clipped.detach() < unclipped.detach()
 
 
 @dataclass
@@ -138,6 +126,7 @@ class Objective:
         if self.sparse:
             check_sparse_teacher(cfg, teacher_k, int(vocab_size or 0))
         self.div = get_divergence(cfg.divergence.name.value, **cfg.divergence.params())
+        self.estimator = get_estimator(cfg.estimator.name.value)
         self.jsd = get_divergence("jsd", beta=metric_beta(cfg))
         self.rkl = get_divergence("rkl")
         self.fkl = get_divergence("fkl")
@@ -256,83 +245,6 @@ class Objective:
         return v
 
     def _on_policy(self, student_z, scores: TeacherScores, y, m, s, t):
-        cfg = self.cfg
-        teacher_z = scores.logits
-        kl_coef, credit, gamma = cfg.loss.kl_coef, cfg.loss.credit, cfg.loss.gamma
-        est, form = cfg.estimator.name, cfg.loss.name
-        s0 = s.detach()
-        if est is EstimatorName.sampled:
-            cost = self.div.token_cost(s0, t)
-            if credit is Credit.sequence:
-                returns = sequence_returns(cost, self.value(self.div, s0, t, student_z.detach(), teacher_z, m), m, gamma)
-            else:
-                returns = cost
-            per_position = {}
-            if cfg.estimator.baseline is not Baseline.none:  # a control variate: E[c] at the position, never reading y
-                b = self._baseline(student_z, scores).to(returns.dtype)
-                returns = torch.where(m, returns - b, returns)
-                per_position["estimator/baseline"] = b
-            advantages = -kl_coef * returns  # after the baseline: what the loss uses (advantages/mean)
-            if form is LossName.ppo:
-                # The first (or only) update of a rollout: the weights are the sampling policy's, so
-                # logp_old is this forward's own log-prob: the ratio is 1 in value, its gradient
-                # grad log S (later updates: training/ppo.py, against the stored logp_old).
-                per_token, _ = ppo_surrogate(torch.exp(s - s0), advantages, cfg.loss.clip_eps)
-            else:
-                per_token = -advantages * s
-            clipped = self.div.clipped(s0, t) if self.report_clip else None
-            return per_token, advantages, clipped, None, per_position
-
-        clipped, per_position = None, {}
-        if est is EstimatorName.full:
-            surrogate = self.div.full(student_z, teacher_z, mask=m, chunk_size=cfg.estimator.chunk_size)
-            value = surrogate.detach()
-        elif est in TOPK_VARIANTS:
-            out = self._topk_variant(student_z, scores, y)
-            surrogate, value = out.surrogate, out.value.detach()
-            per_position = {"estimator/teacher_mass": out.teacher_mass, "estimator/student_mass": out.student_mass}
-            if est is EstimatorName.topk_verl:
-                per_position["estimator/clamp_rate"] = out.clamped
-        else:
-            tk_lp, tk_ids = scores.topk(cfg.estimator.k)
-            renorm = est is EstimatorName.topk_renorm
-            surrogate, value = topk_estimate(self.div, student_z, tk_lp, tk_ids, y, t, renormalize=renorm)
-            value = value.detach()
-            if self.filtered and not renorm:  # the tail's filtered entries, outside the exact head
-                value = value + filtered_value(
-                    self.div, student_z, teacher_z, mask=m, exclude_ids=tk_ids, pointwise=True, chunk_size=cfg.estimator.chunk_size
-                ).to(value.dtype)
-            if self.report_clip and not renorm:  # only the tail term uses the (clipped) cost
-                clipped = self.div.clipped(s0, t) & ~(tk_ids == y.unsqueeze(-1)).any(-1)
-            with torch.no_grad():
-                masses = truncation_masses(student_z, tk_ids, tk_lp)
-            per_position = dict(zip(("estimator/teacher_mass", "estimator/student_mass"), masses))
-        if credit is Credit.sequence:
-            future = sequence_returns(torch.zeros_like(value), value, m, gamma)
-            per_token = kl_coef * (surrogate + future * s)
-        else:
-            future = torch.zeros_like(value)
-            per_token = kl_coef * surrogate
-        # the exact D per position, for the monitors (estimator=full only; topk's value is an estimate)
-        return per_token, -kl_coef * (value + future), clipped, value if est is EstimatorName.full else None, per_position
-
-    def _baseline(self, student_z, scores: TeacherScores) -> torch.Tensor:
-        """b = E_{y~S}[c(y)] per position (``estimator.baseline``): exact from a dense teacher, or
-        from the teacher's top-k (``divergences.baseline``); the sampling distribution's logits."""
-        if self.cfg.estimator.baseline is Baseline.exact:
-            return expected_cost(self.div, student_z, scores.logits)
-        tk_lp, tk_ids = scores.topk(self.cfg.estimator.k)
-        return topk_expected_cost(self.div, student_z, tk_lp, tk_ids)
-
-    def _topk_variant(self, student_z, scores: TeacherScores, y):
-        """A ``TOPK_ESTIMATORS`` variant's ``TopkEstimate``. Both logits come tempered already
-        (temperature 1 here); a dense teacher gives its log-probs over the whole vocabulary, a
-        sparse one only reaches here for topk_generalized_kl (``check_sparse_teacher``)."""
-        name, k = self.cfg.estimator.name.value, self.cfg.estimator.k
-        if not scores.dense:
-            tk_lp, tk_ids = scores.topk(k)
-            return generalized_kl_topk(self.div, student_z, tk_lp, tk_ids)
-        teacher_z = scores.logits
-        teacher_z = teacher_z.float() if teacher_z.dtype in (torch.float16, torch.bfloat16) else teacher_z
-        t_lp = torch.log_softmax(teacher_z.detach(), dim=-1)
-        return TOPK_ESTIMATORS[name].estimate(self.div, student_z, t_lp, y, k=min(k, t_lp.shape[-1]), temperature=1.0)
+        """The registered estimator's terms (``training/estimators.py``): one call, no name test."""
+        est = self.estimator(StepInputs(self, student_z, scores, y, m, s, t))
+        return est.per_token, est.advantages, est.clipped, est.exact, est.per_position
