@@ -12,6 +12,7 @@ SHIPPED = {
     "opd_exp." + ".".join(folder.parts): str(folder)
     for top in ("conf", "sweeps")
     for folder in [Path(top), *sorted(p for p in Path(top).rglob("*") if p.is_dir())]
+    if folder != Path("conf", "local")  # this machine's own settings never travel in a wheel
 }
 PACKAGES = find_namespace_packages(include=["opd_exp", "opd_exp.*"], exclude=["*.__pycache__"])
 PLUGINS = ["hydra_plugins.opd_exp_launchers"]  # Hydra looks for plugins only under hydra_plugins

@@ -81,3 +81,22 @@ def test_a_plugin_teacher_scorer_trains_from_one_file(tmp_path):
     plain = json.loads((tmp_path / "plain" / "run" / "metrics.jsonl").read_text().splitlines()[0])
     # same student, a softer teacher: another divergence at step 0
     assert tempered["eval/kl_reverse"] != pytest.approx(plain["eval/kl_reverse"], rel=1e-3)
+
+
+def test_debug_fdr_runs_one_step(tmp_path, monkeypatch, capsys):
+    from helpers.reliability import read_metrics, run_in_process
+
+    code, out, err = run_in_process(["debug=fdr"], tmp_path / "run", monkeypatch, capsys)
+    assert code == 0, err[-3000:]
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1] and "eval/accuracy" in rows[0] and "eval/accuracy" in rows[1]
+    assert out.strip().splitlines()[-1].startswith("opd-train: student eval accuracy") and "1 steps" in out
+    assert not (tmp_path / "run" / "wandb").exists()  # no logger
+
+
+def test_debug_and_local_are_optional_groups():
+    from helpers.compose import compose_config
+
+    cfg = compose_config("debug=fdr")
+    assert (cfg.trainer.max_steps, cfg.eval.every, cfg.eval.size, cfg.logger.name.value) == (1, 0, 8, "none")
+    assert compose_config().trainer.max_steps != 1  # without it nothing changes (no conf/local/default.yaml in the checkout)
