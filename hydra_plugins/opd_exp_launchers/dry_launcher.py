@@ -35,7 +35,7 @@ class DryLauncher(Launcher):
         self.hydra_context, self.config = hydra_context, config
 
     def launch(self, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> Sequence[JobReturn]:
-        from opd_exp.cli.compose import to_train_config
+        from opd_exp.cli.compose import check_choices, to_train_config
         from opd_exp.cli.errors import one_line
         from opd_exp.cli.jobs import FAILED_JOBS, JOBS_STARTED
         from opd_exp.runtime.guards import EXIT_CONFIG
@@ -45,6 +45,7 @@ class DryLauncher(Launcher):
             JOBS_STARTED.append(Path("dry run"))
             try:
                 cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+                check_choices(cfg.hydra)  # `sweep=nonexistent_xyz`: refused here as the real launcher's job refuses it
                 with open_dict(cfg):
                     del cfg["hydra"]
                 to_train_config(cfg)

@@ -176,6 +176,32 @@ def check_shown_config(argv: list[str]) -> None:
         validated(cfg, hc)
 
 
+def dry_single_run(argv: list[str]) -> str | None:
+    """``opd-train hydra/launcher=dry ...`` without ``-m``: Hydra runs one job without any launcher,
+    so the dry launcher would never be asked and the run would train. Act dry instead: compose and
+    validate that one run as the launcher does for each job of a multirun (its one line, exit 2, on
+    an error), train nothing, write nothing. The line to print when it would run; None when the
+    command is not a dry one (or is a multirun, where the launcher itself answers)."""
+    from hydra import compose, initialize_config_dir
+    from hydra._internal.utils import get_args_parser
+
+    args = get_args_parser().parse_args(argv)
+    dry = any(o.lstrip("+").replace("override ", "").strip() == "hydra/launcher=dry" for o in args.overrides)
+    if not dry or args.multirun or args.config_path or args.config_dir or args.config_name:
+        return None
+    from opd_exp.config.folders import CONF_DIR
+
+    overrides = [o for o in args.overrides if not o.lstrip("+").startswith("hydra")]
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose("train", overrides=list(args.overrides), return_hydra_config=True)
+        hc = cfg.hydra
+        check_choices(hc)
+        with open_dict(cfg):
+            del cfg["hydra"]
+        validated(cfg, hc)
+    return f"opd-train: dry run (one run, no -m): {' '.join(overrides) or 'the defaults'}: ok; nothing trained, nothing written"
+
+
 def compose_config(*overrides: str) -> TrainConfig:
     """The validated ``TrainConfig`` ``opd-train <overrides>`` would run, without running it: for
     scripts, benchmarks and notebooks (registered plugins included)."""

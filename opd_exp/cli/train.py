@@ -22,7 +22,15 @@ from hydra.types import RunMode
 from omegaconf import DictConfig
 from omegaconf.errors import OmegaConfBaseException
 
-from opd_exp.cli.compose import build_inputs, check_choices, check_device, check_shown_config, to_train_config, validated
+from opd_exp.cli.compose import (
+    build_inputs,
+    check_choices,
+    check_device,
+    check_shown_config,
+    dry_single_run,
+    to_train_config,
+    validated,
+)
 from opd_exp.cli.errors import argv_problem, io_error, one_line, yaml_line
 from opd_exp.cli.jobs import FAILED_JOBS, JOBS_STARTED, failed_summary
 from opd_exp.cli.jobs import job_failed as _job_failed
@@ -151,6 +159,10 @@ def main() -> None:
     JOBS_STARTED.clear()
     try:
         check_shown_config(argv[1:])  # `--cfg job` shows only a config that would run
+        dry = dry_single_run(argv[1:])  # `hydra/launcher=dry` without -m: checked, never trained
+        if dry is not None:
+            print(dry, flush=True)
+            return
         _app()
     except Diverged:
         sys.exit(EXIT_DIVERGED)  # its line is already on stderr
