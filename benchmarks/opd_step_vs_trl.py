@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 DIVERGENCES = {"fkl": 0.0, "jsd": 0.5, "rkl": 1.0}  # TRL's beta for each (GKD/TRL convention)
+FORCED = ("trl", "opd-lean", "opd-quiet", "floor")  # every response exactly --length tokens
 
 
 def _tokenizer_dir() -> Path:
@@ -152,7 +153,7 @@ def run_trl(root: Path, div: str, a) -> dict:
     )
     torch.set_num_threads(1)
     trainer.train()
-    return {"times": times, "losses": losses, "length": statistics.mean(lengths) if lengths else float("nan")}
+    return {"times": times, "losses": losses, "length": statistics.mean(lengths) if lengths else float("nan"), "lengths": lengths}
 
 
 def build_opd(root: Path, div: str, engine: str, a, monitors: bool = True):
@@ -206,12 +207,26 @@ def build_opd(root: Path, div: str, engine: str, a, monitors: bool = True):
     return Trainer(cfg, root / f"opd-{engine}-{div}", pair=pair, task=task)
 
 
-def _force_lengths(a) -> None:
-    """Fixed lengths, as on the TRL side: the lean sampler bans EOS until --length tokens."""
-    from opd_exp.training import sampler
+def _force_lengths(tr, a) -> None:
+    """Fixed lengths, as on the TRL side: the lean sampler bans EOS until --length tokens.
+    Set on the trainer's own student engine: it bound ``lean_generate`` when it was built, so
+    patching ``sampler.lean_generate`` afterwards changes nothing (the bug that let responses
+    end early: 36.5 tokens against TRL's 40)."""
+    import functools
 
-    inner = sampler.lean_generate
-    sampler.lean_generate = lambda *args, **kw: inner(*args, min_new_tokens=a.length, **kw)
+    from opd_exp.training.sampler import lean_generate
+
+    engine = tr.engines.student
+    if getattr(engine, "decoder", None) is not lean_generate:
+        sys.exit(f"opd-lean: the student's engine does not decode with lean_generate ({type(engine).__name__}); cannot force lengths")
+    engine.decoder = functools.partial(lean_generate, min_new_tokens=a.length)
+
+
+def check_forced(impl: str, lengths: list[float], a) -> None:
+    """Every step of a forced implementation (trl, opd-lean, opd-quiet, floor) has exactly
+    --length tokens per response; anything else would compare different amounts of work."""
+    if impl in FORCED and any(x != a.length for x in lengths):
+        sys.exit(f"{impl}: responses not forced to --length {a.length}: mean lengths per step {lengths}")
 
 
 def run_opd(root: Path, div: str, engine: str, a, monitors: bool = True) -> dict:
@@ -219,7 +234,7 @@ def run_opd(root: Path, div: str, engine: str, a, monitors: bool = True) -> dict
 
     tr = build_opd(root, div, engine, a, monitors)
     if engine == "lean":
-        _force_lengths(a)
+        _force_lengths(tr, a)
     torch.set_num_threads(1)
     times, losses, lengths = [], [], []
     for _ in range(a.steps):
@@ -228,7 +243,7 @@ def run_opd(root: Path, div: str, engine: str, a, monitors: bool = True) -> dict
         times.append((time.process_time() - c0, time.perf_counter() - w0))
         losses.append(m["loss"])
         lengths.append(m["response/length_mean"])
-    return {"times": times, "losses": losses, "length": statistics.mean(lengths)}
+    return {"times": times, "losses": losses, "length": statistics.mean(lengths), "lengths": lengths}
 
 
 def run_floor(root: Path, div: str, a) -> dict:
@@ -241,7 +256,7 @@ def run_floor(root: Path, div: str, a) -> dict:
     from opd_exp.training.scoring import dropout_off
 
     tr = build_opd(root, div, "lean", a)
-    _force_lengths(a)
+    _force_lengths(tr, a)
     torch.set_num_threads(1)
     batch = tr.sample(0)
     d, n = tr.objective.div, batch.num_response_tokens
@@ -256,7 +271,7 @@ def run_floor(root: Path, div: str, a) -> dict:
             loss.backward()
         times.append((time.process_time() - c0, time.perf_counter() - w0))
         losses.append(float(loss))
-    return {"times": times, "losses": losses, "length": n / batch.num_sequences}
+    return {"times": times, "losses": losses, "length": n / batch.num_sequences, "lengths": [n / batch.num_sequences]}
 
 
 def _worker(a) -> None:
@@ -268,6 +283,7 @@ def _worker(a) -> None:
         out = run_opd(root, div, "lean", a, monitors=False)
     else:
         out = run_trl(root, div, a) if impl == "trl" else run_opd(root, div, impl.split("-")[1], a)
+    check_forced(impl, out["lengths"], a)
     out["peak_gib"] = _peak_gib()
     print("RESULT " + json.dumps(out))
 
