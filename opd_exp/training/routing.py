@@ -167,6 +167,10 @@ class TeacherMap(TeacherScorer):
         for s in self.scorers:
             s.close()
 
+    def set_clock(self, clock) -> None:
+        for s in self.scorers:
+            s.set_clock(clock)
+
     def sync(self, student, step: int) -> None:
         for s in self.scorers:
             s.sync(student, step)

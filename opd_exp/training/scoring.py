@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from opd_exp.training.phases import NullClock
 from opd_exp.training.rollout import Batch
 from opd_exp.training.sampling import SamplingSpec
 
@@ -210,6 +211,11 @@ class TeacherScorer(abc.ABC):
 
     # the scores cover the teacher's whole distribution (dense, or k >= V): exact metrics exist
     full_distribution: bool = True
+    # times the teacher's work (perf/teacher_s; training/phases.py); set by the trainer
+    clock = NullClock()
+
+    def set_clock(self, clock) -> None:
+        self.clock = clock
 
     def sync(self, student, step: int) -> None:  # noqa: B027 - a frozen teacher has nothing to follow
         """After the update that made ``step`` (the student's weights as they are now)."""
@@ -273,7 +279,7 @@ class InProcessTeacher(TeacherScorer):
         ``view=False``: of the student's own prompt)."""
         batch = batch.teacher_input if view else batch
         where = batch.input_ids.device
-        with self.autocast():
+        with self.clock("teacher"), self.autocast():
             if where == self.device:
                 return teacher_logits(self.model, batch, self.vocab_size, temperature=self.temperature)
             return teacher_logits(self.model, batch.to(self.device), self.vocab_size, temperature=self.temperature).to(where)
@@ -283,13 +289,13 @@ class InProcessTeacher(TeacherScorer):
     @torch.no_grad()
     def hidden(self, batch: Batch) -> torch.Tensor:
         batch = batch.teacher_input
-        with self.autocast():
+        with self.clock("teacher"), self.autocast():
             return response_hidden(self.model, batch if batch.input_ids.device == self.device else batch.to(self.device))
 
     @torch.no_grad()
     def chunk_logits(self, hidden: torch.Tensor, where) -> torch.Tensor:
         """Teacher logits of a chunk divided by the divergence temperature (fp32, no grad)."""
-        with self.autocast():
+        with self.clock("teacher"), self.autocast():
             z = lm_head_logits(hidden, self.model.get_output_embeddings(), self.vocab_size).float()
         z = z / self.temperature if self.temperature != 1.0 else z
         return z.to(where)

@@ -494,6 +494,10 @@ class _Requests(Pending):
             f.cancel()
 
     def result(self) -> TeacherScores:
+        with self.teacher.clock("teacher"):  # the learner's wait for the server (perf/teacher_s)
+            return self._result()
+
+    def _result(self) -> TeacherScores:
         t, batch = self.teacher, self.batch
         rows = _sequences(batch)
         N, R = batch.response_mask.shape

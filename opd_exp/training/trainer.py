@@ -47,6 +47,7 @@ from opd_exp.training.heads import build_head
 from opd_exp.training.memory import check_step_memory
 from opd_exp.training.monitors import Tally
 from opd_exp.training.objective import Objective
+from opd_exp.training.phases import PhaseClock
 from opd_exp.training.ppo import PpoUpdates
 from opd_exp.training.report import run_sinks, summary, summary_line
 from opd_exp.training.reward import RewardTerm
@@ -98,6 +99,8 @@ class Trainer:
         # a sparse teacher's limits are refused before the server is asked anything
         self.objective = Objective(cfg, teacher_k=sparse_teacher_k(cfg, self.vocab_size), vocab_size=self.vocab_size)
         self.teacher_scorer = self.teachers.scorer(self.tokenizer, self.vocab_size, autocast=self.autocast, warn=self.warn)
+        self.phases = PhaseClock()  # perf/<phase>_s (training/phases.py)
+        self.teacher_scorer.set_clock(self.phases)
         self.monitors = self.teachers.monitors(cfg, self.objective)  # exact/*, entropies, overlap/*, the log-prob gap; teacher/<name>/*
         warn_ignored_generation_settings(pair, self.warn)
         # training forwards go through DDP / FSDP2; generate, eval, checkpoints use the plain module (fully_shard: in place)
@@ -111,20 +114,13 @@ class Trainer:
         self.eval_divergences = EvalDivergences(cfg)
         self.teacher_prompt = TeacherPrompt.from_config(cfg, task, self.tokenizer, warn=self.warn)
         self.evaluator = Evaluator(
-            task,
-            self.tokenizer,
-            eval_set,
-            batch_size=cfg.eval.batch_size,
-            teacher=self.teacher_scorer,
+            task, self.tokenizer, eval_set, batch_size=cfg.eval.batch_size, teacher=self.teacher_scorer,
             divergences=self.eval_divergences if self.teacher_scorer.full_distribution else {},  # need the whole teacher
-            student_logits=lambda b: self.student_logits(self.student, b),
-            chunk_size=cfg.estimator.chunk_size,
-            on_prompts=self._count_truncated,
-            samples=cfg.eval.samples,
+            student_logits=lambda b: self.student_logits(self.student, b), chunk_size=cfg.estimator.chunk_size,
+            on_prompts=self._count_truncated, samples=cfg.eval.samples,
             position_sums=getattr(self.head, "position_sums", None),  # the fused head's (no [N, R, V] logits)
-            routing=self.teachers.router,
-            teacher_view=self.teacher_prompt.attach,
-        )
+            routing=self.teachers.router, teacher_view=self.teacher_prompt.attach,
+        )  # fmt: skip
 
         self.params = [p for p in self.student.parameters() if p.requires_grad]
         # fused AdamW: no parameter-sized temporary per step (runtime/host.py)
@@ -133,17 +129,10 @@ class Trainer:
         self.ppo = None
         if cfg.loss.ppo_updates > 1:
             self.ppo = PpoUpdates(
-                cfg,
-                self.objective,
-                self.monitors,
-                student=self.student,
-                student_logits=lambda b: self.student_logits(self.train_module, b),
-                teacher_scorer=self.teacher_scorer,
-                optimizer=self.optimizer,
-                params=self.params,
-                warn=self.warn,
-                after_update=lambda: self.teacher_scorer.sync(self.student, self.step + 1),
-            )
+                cfg, self.objective, self.monitors, student=self.student,
+                student_logits=lambda b: self.student_logits(self.train_module, b), teacher_scorer=self.teacher_scorer,
+                optimizer=self.optimizer, params=self.params, warn=self.warn, after_update=lambda: self._sync_teacher(self.step + 1),
+            )  # fmt: skip
         # estimator=sampled: an eval divergence that stays above its start is said once (advice.py)
         own = self.eval_divergences.own_key
         self.eval_rise = EvalRise(own, "sampled", tc.lr, cfg.estimator.baseline.value) if cfg.estimator.name.value == "sampled" else None
@@ -178,9 +167,11 @@ class Trainer:
         on_policy = self._on_policy(step)
         engine = self.engines.student if on_policy else self.engines.teacher
         if on_policy:
-            engine.sync(self.student, version=step)  # after every update: the engine samples this student
+            with self.phases("sync"):
+                engine.sync(self.student, version=step)  # after every update: the engine samples this student
         draw = Draw.for_step(cfg.seed, step, len(prompts) * n, self.dist)
-        batch = engine.generate([prompts[r // n] for r in draw.rows], draw.seeds)
+        with self.phases("generate"):
+            batch = engine.generate([prompts[r // n] for r in draw.rows], draw.seeds)
         batch = self.teachers.route(problems, dataclasses.replace(batch, prompt_index=torch.tensor(draw.rows) // n)).to(self.device)
         batch = self.teacher_prompt.attach(batch, problems)  # teacher.privileged: the teacher's own prompt
         return self.reward(batch, problems)  # reward.coef > 0: each row's reward advantage attached
@@ -193,6 +184,10 @@ class Trainer:
         mbs = list(batch.micro_batches(self.cfg.trainer.micro_batch_size))
         return self.head.accumulate(mbs, on_policy=batch.on_policy, n_tokens=n_tokens, check_teacher=self._check_teacher)
 
+    def _sync_teacher(self, step: int) -> None:
+        with self.phases("sync"):  # a teacher made from the student follows every applied update
+            self.teacher_scorer.sync(self.student, step)
+
     def _check_teacher(self, scores: torch.Tensor) -> None:
         """Caught before the loss: a NaN teacher logit would turn the loss (and, through masked
         positions, the gradient) into NaN with no hint where it came from. All ranks agree."""
@@ -204,6 +199,7 @@ class Trainer:
     def train_step(self) -> dict[str, float]:
         tc, guard = self.cfg.trainer, self.state.guard
         t0 = time.perf_counter()
+        self.phases.reset()  # what an eval's teacher calls counted belongs to no step
         lr = self.optimizer.param_groups[0]["lr"]
         batch = self.sample(self.step)
         t_rollout = time.perf_counter() - t0
@@ -216,20 +212,22 @@ class Trainer:
             self._warn_once("empty", f"step {step} has no response tokens: no update (counted in guard/empty_steps)")
         else:
             try:
-                if self.ppo is not None:  # its own optimizer steps; problem: none of them applied
-                    loss, tally, grad_norm, problem = self.ppo.step(batch, n_global, step)
-                else:
-                    loss, tally = self.monitors.reduce(*self.accumulate(batch, n_global), self.dist)
-                    max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
-                    grad_norm = dist_util.grad_norm_value(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+                with self.phases("train"):  # the teacher's scores inside it are counted as teacher time
+                    if self.ppo is not None:  # its own optimizer steps; problem: none of them applied
+                        loss, tally, grad_norm, problem = self.ppo.step(batch, n_global, step)
+                    else:
+                        loss, tally = self.monitors.reduce(*self.accumulate(batch, n_global), self.dist)
+                        max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
+                        grad_norm = dist_util.grad_norm_value(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
             except NonFinite as ex:
                 loss, grad_norm, problem = float("nan"), float("nan"), str(ex)
                 tally = Tally({k: float("nan") for k in self.monitors.names})
             if problem is None and not (math.isfinite(loss) and math.isfinite(grad_norm)):
                 problem = f"loss={loss}, grad/norm={grad_norm}"
         if problem is None and n_global and self.ppo is None:  # a non-finite loss or gradient never reaches the weights
-            self.optimizer.step()
-            self.teacher_scorer.sync(self.student, step)  # a teacher made from the student follows every applied update
+            with self.phases("train"):
+                self.optimizer.step()
+            self._sync_teacher(step)
         guard.record(step, problem)
         if problem is not None:
             self.warn(f"opd-train: warning: step {step} skipped (no update): {problem}")
@@ -261,6 +259,12 @@ class Trainer:
                 "perf/tokens_per_s": n_global / dt,
                 "perf/step_s": dt,
                 "perf/rollout_s": t_rollout,
+                **self.phases.take(
+                    sampled=batch.num_response_tokens,
+                    scored=batch.num_response_tokens,
+                    trained=batch.num_trained_tokens,
+                    device=self.device,
+                ),
             }
         )
         for k in self.monitors.names:
