@@ -34,6 +34,14 @@ _LABEL_VALUE = re.compile(r"(?<![\w.])[+~]*(?:logger\.)?(?:name|group|tags|proje
 # the user-info of a URL (teacher.url, teachers.map.<name>.url): `http://user:PASSWORD@host` keeps
 # the user, `https://TOKEN@host` (a token as the user name) loses all of it
 URL_CREDENTIALS = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<info>[^/?#\s'\"]+)@")
+# an HTTP credential wherever it is quoted (`Authorization: Bearer <token>`, `Authorization: Basic
+# <base64>`, `Bearer <token>`: a header pasted into an override or a note): the scheme stays, the
+# credential goes
+AUTH_SCHEME = re.compile(
+    r"(?P<scheme>(?<![A-Za-z0-9])(?:authorization[ \t]*[:=][ \t]*(?:(?:bearer|basic|digest|token)[ \t]+)?|bearer[ \t]+))"
+    r"(?P<cred>[A-Za-z0-9._~+/=-]{8,})",
+    re.IGNORECASE,
+)
 # `key: value` / `key=value` where the key looks like a credential (YAML records, argv)
 _SECRET_ASSIGNMENT = re.compile(
     r"(?P<key>[\w.+~/-]*(?:" + SECRET_NAME.pattern + r")[\w.-]*)(?P<sep>\s*[=:]\s*)[^\s,'\"\]}]+", re.IGNORECASE
@@ -49,6 +57,13 @@ def redact_url(text: str) -> str:
         return f"{m['scheme']}{user}:{REDACTED}@" if colon and user != REDACTED else f"{m['scheme']}{REDACTED}@"
 
     return URL_CREDENTIALS.sub(clean, text)
+
+
+def redact_shapes(text: str) -> str:
+    """``text`` with every credential recognised by its shape redacted: token shapes (``hf_...``),
+    the user-info of URLs and HTTP credentials (``Bearer <token>``)."""
+    text = AUTH_SCHEME.sub(lambda m: f"{m['scheme']}{REDACTED}" if m["cred"] != REDACTED else m[0], text)
+    return redact_url(TOKEN_SHAPE.sub(REDACTED, text))
 
 
 def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
@@ -71,7 +86,7 @@ def scrub(obj: Any, secrets: Iterable[str] | None = None) -> Any:
         if isinstance(x, str):
             for s in secrets:
                 x = x.replace(s, REDACTED)
-            x = redact_url(TOKEN_SHAPE.sub(REDACTED, x))
+            x = redact_shapes(x)
             name, sep, value = x.partition("=")  # an override `logger.api_key=...`
             if sep and SECRET_NAME.search(name) and value:
                 return f"{name}={REDACTED}"
@@ -94,7 +109,7 @@ def redact_line(text: str, secrets: Iterable[str] | None = None) -> str:
     (``logger.api_key: unknown key``)."""
     for value in secret_values() if secrets is None else secrets:
         text = text.replace(value, REDACTED)
-    return redact_url(TOKEN_SHAPE.sub(REDACTED, text))
+    return redact_shapes(text)
 
 
 def scrub_text(text: str, secrets: Iterable[str] | None = None) -> str:
@@ -106,7 +121,7 @@ def scrub_text(text: str, secrets: Iterable[str] | None = None) -> str:
     for value in secrets:
         clean = clean.replace(value, REDACTED)
     clean = _LABEL_VALUE.sub(lambda m: WANDB_KEY_SHAPE.sub(REDACTED, m[0]), clean)
-    return redact_url(TOKEN_SHAPE.sub(REDACTED, clean))
+    return redact_shapes(clean)
 
 
 def scrub_file(path) -> bool:

@@ -44,7 +44,16 @@ from opd_exp.analysis.naming import SEED_KEYS, variant_name
 from opd_exp.analysis.naming import variant_overrides as _variant_overrides
 from opd_exp.divergences import DIVERGENCES, parameter_names
 from opd_exp.runtime.errors import ConfigError
-from opd_exp.runtime.secrets import REDACTED, SECRET_NAME, plain_config, redact_label, scrub, scrub_text, secret_values  # noqa: F401
+from opd_exp.runtime.secrets import (  # noqa: F401
+    REDACTED,
+    SECRET_NAME,
+    plain_config,
+    redact_label,
+    redact_line,
+    scrub,
+    scrub_text,
+    secret_values,
+)
 from opd_exp.sinks import Sink, _clean
 
 MAX_TAG = 64  # W&B's limit on one tag
@@ -420,6 +429,12 @@ class WandbSink(Sink):
                 raise TrackingError(
                     f"{key}: the value looks like a credential (an API key or token, not shown); allowed: a W&B {key[7:]} name"
                 )
+        if redact_line(str(run_dir.resolve())) != str(run_dir.resolve()):  # W&B writes the folder's path into its files
+            raise TrackingError(
+                f"hydra.run.dir={redact_line(str(run_dir))}: the run folder's path holds a credential (a token, not shown), and "
+                f"W&B records that path in its files (debug.log, run-*.wandb); allowed: a run folder whose path has no "
+                f"credential, or logger=none"
+            )
         job = hydra_job()
         config = scrub(plain_config(config or {}))
         if "name" in config:
