@@ -87,6 +87,12 @@ cfg(
 )
 cfg("config/ema_decay_1", ["teacher=ema", "teacher.decay=1.0"], "teacher.decay=1.0 is not allowed; allowed: 0 <= decay < 1")
 cfg("config/teacher_unknown", ["teacher.name=swa"], "teacher.name")
+cfg(
+    "config/old_and_new_key_disagree",
+    ["trainer.eval_every=5", "eval.every=7"],
+    "opd-train: error: trainer.eval_every=5 and eval.every=7: the same setting given twice (trainer.eval_every is the old name of "
+    "eval.every), and only one would be kept; allowed: eval.every=<value> alone",
+)
 cfg("config/unknown_task", ["task.name=mmlu"], "task.name='mmlu' is not allowed; allowed: " + " | ".join(TASKS))
 
 

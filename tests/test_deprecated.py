@@ -81,3 +81,20 @@ def test_the_cli_prints_the_notice_and_runs_with_the_new_key(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "opd-train: trainer.eval_every is deprecated and will be removed in opd-exp 0.2; use eval.every" in out.stderr
     assert "eval:\n  every: 9\n" in out.stdout
+
+
+def test_an_old_key_beside_its_new_one_with_another_value_is_refused():
+    """Before: `trainer.eval_every=5 eval.every=7` kept the last one without a word (issue 36)."""
+    from opd_exp.runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError) as ex:
+        upgrade_overrides(["loss.positions=first", "positions=first_n"], lambda line: None)
+    assert str(ex.value) == (
+        "loss.positions=first and positions=first_n: the same setting given twice (loss.positions is the old name of "
+        "positions.name), and only one would be kept; allowed: positions=<value> alone"
+    )
+    with pytest.raises(ConfigError, match=r"^~trainer.save_every and checkpoint.every=3: the same setting given twice"):
+        upgrade_overrides(["~trainer.save_every", "checkpoint.every=3"], lambda line: None)
+    # the same value twice, or an old key alone: no conflict
+    assert upgrade_overrides(["trainer.eval_every=5", "eval.every=5"], lambda line: None) == ["eval.every=5", "eval.every=5"]
+    assert upgrade_overrides(["loss.positions=first", "positions=first"], lambda line: None) == ["positions.name=first", "positions=first"]

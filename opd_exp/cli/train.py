@@ -147,7 +147,11 @@ def main() -> None:
         print(f"opd-train: error: {problem}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
     original = list(sys.argv)
-    sys.argv = [sys.argv[0], *upgrade_overrides(sys.argv[1:])]  # old keys (trainer.eval_every, ...): one notice each
+    try:
+        sys.argv = [sys.argv[0], *upgrade_overrides(sys.argv[1:])]  # old keys (trainer.eval_every, ...): one notice each
+    except ConfigError as ex:  # an old key beside its new one with another value
+        sys.argv = original
+        _fail(ex)
     argv = list(sys.argv)
     informational = {"--cfg", "-c", "--info", "-i", "--help", "-h", "--hydra-help", "--shell-completion", "-sc"}
     if not informational & set(argv[1:]) and not any(a.lstrip("+~").startswith("hydra.output_subdir=") for a in argv[1:]):

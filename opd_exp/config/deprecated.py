@@ -57,10 +57,41 @@ def notice(old: str, new: str) -> str:
     return f"opd-train: {old} is deprecated and will be removed in opd-exp {REMOVED_IN}; use {new}"
 
 
+def _same_setting(new: str) -> set[str]:
+    """The keys an override may set ``new`` by: itself, and for a group's name (``positions.name``)
+    the group's choice (``positions=first_n``)."""
+    return {new, new.removesuffix(".name")} if new.endswith(".name") else {new}
+
+
+def check_conflicts(overrides: Iterable[str]) -> None:
+    """An old key and its new one on the same command line with different values: Hydra would
+    keep whichever came last, without a word. Refused in one line naming both."""
+    from opd_exp.runtime.errors import ConfigError
+
+    given: dict[str, str] = {}  # key as given -> its last override (without the prefix)
+    for item in overrides:
+        m = _OVERRIDE.match(item)
+        if m:
+            given[m.group("key")] = item
+    for old, new in RENAMED.items():
+        if old not in given:
+            continue
+        value = given[old].partition("=")[2] if "=" in given[old] else None  # None: `~key`
+        for key in sorted(_same_setting(new) & set(given)):
+            if (given[key].partition("=")[2] if "=" in given[key] else None) != value:
+                raise ConfigError(
+                    f"{given[old]} and {given[key]}: the same setting given twice ({old} is the old name of {new}), and only "
+                    f"one would be kept; allowed: {key}=<value> alone"
+                )
+
+
 def upgrade_overrides(overrides: Iterable[str], warn: Callable[[str], None] | None = None) -> list[str]:
     """Command-line overrides with every old key rewritten to its new one; ``warn`` gets one
-    line per old key used (stderr by default)."""
+    line per old key used (stderr by default). An old key beside its new one with another value
+    is refused (``check_conflicts``)."""
     warn = warn or (lambda line: print(line, file=sys.stderr))
+    overrides = list(overrides)
+    check_conflicts(overrides)
     out, seen = [], set()
     for item in overrides:
         m = _OVERRIDE.match(item)

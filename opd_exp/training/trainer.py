@@ -36,7 +36,7 @@ from opd_exp.runtime import checkpoint, fingerprint, host
 from opd_exp.runtime import distributed as dist_util
 from opd_exp.runtime import precision as prec
 from opd_exp.runtime.errors import ConfigError
-from opd_exp.runtime.guards import Diverged, NonFinite, Preempted, PreemptionGuard, StepGuard, nonfinite_summary
+from opd_exp.runtime.guards import EXIT_PREEMPTED, Diverged, NonFinite, Preempted, PreemptionGuard, StepGuard, nonfinite_summary
 from opd_exp.sinks import Progress, Sink
 from opd_exp.training.advice import EvalRise, NoSignal
 from opd_exp.training.checkpoints import checkpoint_views, resume_session
@@ -372,12 +372,16 @@ class Trainer:
         )
         if self.pair_record:
             sink.config({"pair": self.pair_record})
-        self.console.progress = progress = Progress(tc.max_steps, initial=self.step, enabled=tc.progress)
+        self.console.progress = progress = Progress(
+            tc.max_steps, initial=self.step, enabled=tc.progress, divergence=self.cfg.divergence.name.value, loss=self.cfg.loss.name.value
+        )
         t_start = time.perf_counter() - state.elapsed_s
         try:
             if not resumed or self._session.get("eval_set_changed"):  # a fresh run, or an extension onto a new eval set
                 state.eval_before = state.eval_last = require_finite(self.evaluate(), self.step)
+                self.console.eval(self.step, state.eval_before)
                 sink.log(state.eval_before, step=self.step)
+            progress.start()  # the step-0 eval is outside step 1's time and the ETA
             done_now = 0  # a signal only sets a flag, acted on between steps: never a checkpoint of a half-done step
             while self.step < tc.max_steps and not self._stop_requested(preempt):
                 cursor, metrics = state.cursor.state_dict(), None
@@ -386,6 +390,7 @@ class Trainer:
                     cursor, last = state.cursor.state_dict(), self.step == tc.max_steps
                     if (ev.every and self.step % ev.every == 0) or last:
                         state.eval_last = self.evaluate()
+                        self.console.eval(self.step, state.eval_last)
                         if self.eval_rise is not None and (line := self.eval_rise.update(state.eval_before, state.eval_last, self.step)):
                             self.warn(line)
                         metrics.update(state.eval_last)
@@ -418,13 +423,14 @@ class Trainer:
         finally:
             progress.close()
             self.console.progress = None
-            sink.close()
+            sink.close(exit_code=preempt.exit_code)  # a preempted run's W&B run ends with 75
             self.teacher_scorer.close()
         return summary
 
     def _preempted(self, preempt: PreemptionGuard) -> Preempted:
         """Saved at the last finished step; ``run`` raises it (exit 75)."""
         stop = Preempted(preempt.signum or signal.SIGTERM, self.step, self.save())
+        preempt.exit_code = EXIT_PREEMPTED
         stop.previous_handler = preempt.previous_handler()
         return stop
 
