@@ -82,6 +82,14 @@ class Credit(Enum):
     sequence = "sequence"
 
 
+class Normalizer(Enum):
+    # the step's trained-token count (TRL / verl token-mean): random when responses end at EOS, so
+    # the expected gradient is off the per-token target (docs/training.md, "The loss normaliser")
+    tokens = "tokens"
+    # rows x rollout.max_new_tokens: a constant, every expected-gradient statement exact
+    constant = "constant"
+
+
 class Schedule(Enum):
     constant = "constant"
     linear = "linear"
@@ -208,6 +216,10 @@ class LossConfig:
     ppo_epochs: int = 1
     # optimizer steps per PPO pass, each on a disjoint share of the rollout's rows (docs/training.md)
     ppo_mini_batches: int = 1
+    # what the summed loss is divided by: tokens (the step's trained tokens; the default, as TRL and
+    # verl, and what every pinned number was made with) | constant (rows x rollout.max_new_tokens:
+    # unbiased for responses of any length)
+    normalizer: Normalizer = Normalizer.tokens
 
     def __post_init__(self) -> None:
         _check(_finite(self.kl_coef) and self.kl_coef >= 0, "loss.kl_coef", self.kl_coef, "> 0, or 0 with reward.coef > 0 (reward-only RL)")

@@ -64,6 +64,15 @@ from opd_exp.training.scoring import TeacherScores, token_logprobs
 __all__ = ["Objective", "Output", "metric_beta", "position_mask", "ppo_surrogate"]
 
 
+def loss_normalizer(cfg: TrainConfig, n_tokens: int, n_rows: int) -> float:
+    """What a step's (or PPO mini-batch's) summed loss is divided by (``loss.normalizer``): its
+    trained-token count, or the constant ``n_rows`` x ``rollout.max_new_tokens``. Only the constant
+    keeps E[grad loss] equal to the gradient of the per-token target when lengths vary (EOS)."""
+    if cfg.loss.normalizer.value == "constant":
+        return float(n_rows * cfg.rollout.max_new_tokens)
+    return float(n_tokens)
+
+
 @dataclass
 class Output:
     loss: torch.Tensor  # differentiable scalar (already divided by the normalizer)

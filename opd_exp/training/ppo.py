@@ -37,7 +37,7 @@ import torch
 from opd_exp.config.schema import TrainConfig
 from opd_exp.runtime.guards import NonFinite, nonfinite_summary
 from opd_exp.training.monitors import Monitors, Tally
-from opd_exp.training.objective import Objective, ppo_surrogate
+from opd_exp.training.objective import Objective, loss_normalizer, ppo_surrogate
 from opd_exp.training.rollout import Batch
 from opd_exp.training.scoring import dropout_off, token_logprobs
 
@@ -100,7 +100,8 @@ class PpoUpdates:
         (mean loss over updates, the step's metrics, mean gradient norm, problem or None)."""
         lo = self.cfg.loss
         first = [self._micro(r) for r in self._order(batch.num_sequences, step, 0)]
-        tally, pieces = self._behaviour(batch, [m for mb in first for m in mb], n_tokens, step)
+        total = loss_normalizer(self.cfg, n_tokens, batch.num_sequences)  # loss.normalizer: tokens, or rows x max_new_tokens
+        tally, pieces = self._behaviour(batch, [m for mb in first for m in mb], total, step)
         # what the scoring pass fixed, per row of the rollout (later epochs regroup the rows)
         rows = torch.cat([m for mb in first for m in mb])
         where = torch.empty_like(rows)
@@ -145,7 +146,7 @@ class PpoUpdates:
         if not norms:  # nothing applied: the step is skipped
             return float("nan"), tally, float("nan"), f"every one of the {n_updates} PPO updates: {problems[-1]}"
         # the loss over the rollout's tokens, averaged over the epochs (one update: the one-step loss)
-        return loss_total / max(n_tokens, 1) / lo.ppo_epochs, tally, sum(norms) / len(norms), None
+        return loss_total / max(total, 1) / lo.ppo_epochs, tally, sum(norms) / len(norms), None
 
     def _behaviour(self, batch: Batch, micro: list[torch.Tensor], n_tokens: int, step: int) -> tuple[Tally, list[Piece]]:
         """The scoring pass: the teacher's scores, the advantages and the behaviour log-probs, once."""
@@ -180,7 +181,8 @@ class PpoUpdates:
     def _update(self, group: list[Piece], stats: dict[str, float]) -> tuple[float, float, str | None, dict[str, Any]]:
         """One optimizer step on a mini-batch: (loss, grad norm, problem or None, this update's record)."""
         tc, eps = self.cfg.trainer, self.cfg.loss.clip_eps
-        n_mb = sum(p.batch.num_trained_tokens for p in group)  # the mini-batch's token count normalises it
+        # the mini-batch's own normaliser (its trained tokens, or its rows x max_new_tokens)
+        n_mb = loss_normalizer(self.cfg, sum(p.batch.num_trained_tokens for p in group), sum(p.batch.num_sequences for p in group))
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, n_counted, clipped_n, r_lo, r_hi = 0.0, 0, 0, math.inf, -math.inf
         for p in group:

@@ -46,7 +46,7 @@ from opd_exp.training.evaluate import EvalDivergences, Evaluator, eval_problems,
 from opd_exp.training.heads import build_head
 from opd_exp.training.memory import check_step_memory
 from opd_exp.training.monitors import Tally
-from opd_exp.training.objective import Objective
+from opd_exp.training.objective import Objective, loss_normalizer
 from opd_exp.training.phases import PhaseClock
 from opd_exp.training.ppo import PpoUpdates
 from opd_exp.training.report import run_sinks, summary, summary_line
@@ -176,13 +176,14 @@ class Trainer:
         batch = self.teacher_prompt.attach(batch, problems)  # teacher.privileged: the teacher's own prompt
         return self.reward(batch, problems)  # reward.coef > 0: each row's reward advantage attached
 
-    def accumulate(self, batch, n_tokens: int | None = None) -> tuple[float, Tally]:
+    def accumulate(self, batch, n_tokens: int | None = None, n_rows: int | None = None) -> tuple[float, Tally]:
         """Forward/backward over micro-batches through the LM head (``training/heads.py``);
         gradients equal those of the whole batch. Returns the loss and the step's ``Tally``.
         ``n_tokens``: the step's GLOBAL response-token count (all ranks; default: this batch's)."""
-        n_tokens = batch.num_trained_tokens if n_tokens is None else n_tokens  # every micro-batch divides by it
+        n_tokens = batch.num_trained_tokens if n_tokens is None else n_tokens
+        norm = loss_normalizer(self.cfg, n_tokens, n_rows if n_rows is not None else batch.num_sequences)  # every micro-batch divides by it
         mbs = list(batch.micro_batches(self.cfg.trainer.micro_batch_size))
-        return self.head.accumulate(mbs, on_policy=batch.on_policy, n_tokens=n_tokens, check_teacher=self._check_teacher)
+        return self.head.accumulate(mbs, on_policy=batch.on_policy, n_tokens=norm, check_teacher=self._check_teacher)
 
     def _sync_teacher(self, step: int) -> None:
         with self.phases("sync"):  # a teacher made from the student follows every applied update
@@ -216,7 +217,7 @@ class Trainer:
                     if self.ppo is not None:  # its own optimizer steps; problem: none of them applied
                         loss, tally, grad_norm, problem = self.ppo.step(batch, n_global, step)
                     else:
-                        loss, tally = self.monitors.reduce(*self.accumulate(batch, n_global), self.dist)
+                        loss, tally = self.monitors.reduce(*self.accumulate(batch, n_global, seq_global), self.dist)
                         max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
                         grad_norm = dist_util.grad_norm_value(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
             except NonFinite as ex:
