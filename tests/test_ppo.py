@@ -344,3 +344,39 @@ def test_several_updates_under_a_sampling_filter_never_skip_on_masked_positions(
             m = t.train_step()
             assert m["ppo/skipped_updates"] == 0 and m["grad/skipped"] == 0.0
             assert all(math.isfinite(m[k]) for k in ("ppo/approx_kl", "ppo/ratio_mean", "ppo/ratio_max", "ppo/ratio_min", "loss"))
+
+
+def test_approx_kl_and_clip_frac_leave_out_tokens_pushed_out_of_the_filter():
+    """A token an update pushed out of the sampling filter (log S = -1e9, r = 0) has no finite KL term:
+    ppo/approx_kl and ppo/clip_frac are over the other tokens, ppo/filtered_out_frac counts it."""
+    import math
+    import types
+
+    from opd_exp.training.ppo import Piece, PpoUpdates
+    from opd_exp.training.rollout import FILTERED_LOGIT
+
+    V, R = 4, 3
+    z = torch.nn.Parameter(torch.zeros(1, R, V, dtype=torch.float64))
+    new = torch.tensor([[[0.5, 0.0, 0.0, 0.0], [0.0, 0.2, 0.0, 0.0], [FILTERED_LOGIT, 0.0, 0.0, 0.0]]], dtype=torch.float64)
+    ids = torch.zeros(1, 2 + R, dtype=torch.long)  # the sampled token is 0 at every position
+    batch = types.SimpleNamespace(response_ids=ids[:, 2:], num_trained_tokens=R, num_sequences=1)
+    old = torch.full((1, R), math.log(0.25), dtype=torch.float64)
+    upd = PpoUpdates(
+        small_config(loss={"name": "ppo"}, estimator={"name": "sampled"}),
+        None,
+        None,
+        student=torch.nn.Module(),
+        student_logits=lambda b: new + 0 * z,
+        teacher_scorer=None,
+        optimizer=torch.optim.SGD([z], lr=0.0),
+        params=[z],
+        warn=print,
+    )
+    stats = {"tokens": 0.0, "filtered_out": 0.0, "clipped": 0.0, "ratio": 0.0, "kl": 0.0, "max": -math.inf, "min": math.inf}
+    piece = Piece(batch, old, torch.ones(1, R, dtype=torch.float64), torch.ones(1, R, dtype=torch.bool))
+    _, _, problem, record = upd._update([piece], stats)
+    lp = torch.log_softmax(new, -1)[0, :2, 0]
+    r = torch.exp(lp - math.log(0.25))
+    assert problem is None and record["tokens"] == 2.0 and record["filtered_out"] == 1.0
+    assert stats["kl"] == pytest.approx(float(((r - 1) - torch.log(r)).sum()), rel=1e-12)  # no ~707 from the filtered token
+    assert record["clip_frac"] == pytest.approx(float((r > 1.2).sum()) / 2)

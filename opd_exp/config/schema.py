@@ -65,8 +65,10 @@ EstimatorName = _RegistryChoice(
 
 class Baseline(Enum):
     none = "none"  # the sampled cost as it is
-    exact = "exact"  # minus E_{y~S}[c(y)] over the whole vocabulary (needs the teacher's whole distribution)
-    topk = "topk"  # minus its estimate from the teacher's top-k (estimator.k), the tail in the student's shape
+    # minus the score-weighted mean cost sum_v S_v w_v c_v / sum_v S_v w_v, w_v = |e_v - S|^2, over the
+    # whole vocabulary (divergences/baseline.py; needs the teacher's whole distribution)
+    exact = "exact"
+    topk = "topk"  # the same from the teacher's top-k (estimator.k), its remaining mass spread evenly over the tail
 
 
 class LossName(Enum):
@@ -186,8 +188,8 @@ class EstimatorConfig:
     k: int = 16
     # rows per chunk of the full-vocab path (null: sized from the vocabulary)
     chunk_size: int | None = None
-    # estimator=sampled: a control variate b = E_{y~S}[c(y)] per position, subtracted from the sampled
-    # cost (unbiased: b never reads y; divergences/baseline.py): none | exact | topk (from the teacher's top-k)
+    # estimator=sampled: a control variate b per position (the score-weighted mean cost under S; never
+    # reads y, so unbiased; divergences/baseline.py), subtracted from the sampled cost: none | exact | topk
     baseline: Baseline = Baseline.none
 
     def __post_init__(self) -> None:

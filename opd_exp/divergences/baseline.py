@@ -7,20 +7,23 @@ sampled y) and carries no gradient,
     E_y[(c(y) - b) grad log S(y)] = E_y[c(y) grad log S(y)] - b * sum_v grad S_v = grad D,
 
 because sum_v S_v = 1 has zero gradient. So subtracting b leaves the expected gradient exactly
-as it was and changes only its variance; the baseline used here is (an estimate of) the
-expected cost under the student,
+as it was and changes only its variance. The baseline used by default (``weighted=True``) is the
+cost averaged under the student with weights w_v = |e_v - S|^2, the squared norm of the score
+grad_z log S(v) (the variance-optimal constant for the score's squared norm),
 
-    b = E_{y~S}[c(y)] = sum_v S_v c(s_v, t_v),
+    b = sum_v S_v w_v c(s_v, t_v) / sum_v S_v w_v,
 
-the classic value baseline: it centres the advantage (a cost above b pushes its token down, a
-cost below it up), where without it every sampled token of a positive-cost divergence is pushed
-down and only the sizes differ. For rkl (c = s - t) b is KL(S || T) = D itself; for fkl
-(c = -T/S) it is -T(supp S), -1 without a sampling filter; for jsd (1 - beta) KL(S || M).
+and with ``weighted=False`` the plain expected cost b = E_{y~S}[c(y)] = sum_v S_v c(s_v, t_v), the
+classic value baseline (for rkl, c = s - t, it is KL(S || T) = D itself; for fkl, c = -T/S, it is
+-T(supp S), -1 without a sampling filter; for jsd (1 - beta) KL(S || M)). Either centres the
+advantage (a cost above b pushes its token down, a cost below it up), where without one every
+sampled token of a positive-cost divergence is pushed down and only the sizes differ.
 
 * ``expected_cost``: exact, from the teacher's whole distribution (an in-process teacher).
 * ``topk_expected_cost``: from the teacher's top-k only (a served teacher works too): exact over
   the top-k set K, and over the tail the teacher's remaining mass T(K^c) = 1 - sum_K T_v spread
-  in the student's shape (t_v = s_v + log T(K^c) / S(K^c) for v not in K). It reads neither y nor
+  evenly over the V - k tail entries (``tail_fill``: log T(K^c) - log(V - k) each, never above the
+  smallest top-k log-prob). It reads neither y nor
   the teacher's log-prob of y: a baseline b(y) that did (a tail term [y not in K] c(y), as the
   unbiased top-k value has) would add E_y[b(y) grad log S(y)] = sum_{v not in K} S_v c_v grad log S_v
   != 0 to the gradient, and undoing that needs every tail entry's teacher log-prob, which is

@@ -140,7 +140,7 @@ class Sampled(Estimator):
 
     @staticmethod
     def baseline(x: StepInputs) -> torch.Tensor:
-        """b = E_{y~S}[c(y)] per position (``estimator.baseline``): exact from a dense teacher, or
+        """b per position (``estimator.baseline``; the score-weighted mean cost under S): exact from a dense teacher, or
         from the teacher's top-k (``divergences.baseline``); the sampling distribution's logits."""
         cfg = x.cfg
         if cfg.estimator.baseline.value == "exact":

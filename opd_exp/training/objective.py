@@ -8,7 +8,7 @@ unnormalised for the same reason.
 
 Estimators (student-sampled batches):
   sampled      R_t = c_t (credit=token) or c_t + sum gamma^k v_{t+k} (credit=sequence), minus
-               b_t = E_{y~S}[c_t] with ``estimator.baseline`` (a control variate that never reads y_t:
+               b_t = the score-weighted mean cost under S with ``estimator.baseline`` (a control variate that never reads y_t:
                the same expected gradient, a lower variance; ``divergences.baseline``)
                ppo:       -min(A r, A clip(r)), A = -kl_coef R, r = exp(logp - logp_old)
                reinforce: kl_coef * R * log S(y_t)

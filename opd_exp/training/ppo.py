@@ -19,10 +19,12 @@ rollout (in the trainer): every update of a rollout uses the same lr. A non-fini
 gradient skips that update only; the step counts as skipped (``guard/skipped_steps``) when none
 of its updates was applied.
 
-Logged over all updates of the step (counted tokens): ``ppo/clip_frac`` (share where the clip is
-active: the clipped term is the smaller, so the token gives no gradient), ``ppo/approx_kl`` (the
-k3 estimator (r - 1) - log r of KL(S_old || S), >= 0), ``ppo/ratio_mean``, ``ppo/ratio_max``,
-``ppo/ratio_min``, and ``ppo/skipped_updates``.
+Logged over all updates of the step, on the counted tokens whose ratio is finite and positive:
+``ppo/clip_frac`` (share where the clip is active: the clipped term is the smaller, so the token
+gives no gradient), ``ppo/approx_kl`` (the k3 estimator (r - 1) - log r of KL(S_old || S), >= 0),
+``ppo/ratio_mean``, ``ppo/ratio_max``, ``ppo/ratio_min``; ``ppo/filtered_out_frac``: the share of
+counted tokens an update pushed out of the sampling filter (r = 0: no finite KL term; under
+rollout.top_k / top_p only); and ``ppo/skipped_updates``.
 """
 
 from __future__ import annotations
@@ -41,7 +43,15 @@ from opd_exp.training.objective import Objective, loss_normalizer, ppo_surrogate
 from opd_exp.training.rollout import Batch
 from opd_exp.training.scoring import dropout_off, token_logprobs
 
-PPO_METRICS = ("ppo/clip_frac", "ppo/approx_kl", "ppo/ratio_mean", "ppo/ratio_max", "ppo/ratio_min", "ppo/skipped_updates")
+PPO_METRICS = (
+    "ppo/clip_frac",
+    "ppo/approx_kl",
+    "ppo/ratio_mean",
+    "ppo/ratio_max",
+    "ppo/ratio_min",
+    "ppo/skipped_updates",
+    "ppo/filtered_out_frac",
+)
 
 
 def select_rows(batch: Batch, rows: torch.Tensor) -> Batch:
@@ -112,7 +122,7 @@ class PpoUpdates:
             at = where[r].to(old.device)
             return Piece(select_rows(batch, r.to(batch.input_ids.device)), old[at], adv[at], counted[at])
 
-        stats = {"tokens": 0.0, "clipped": 0.0, "ratio": 0.0, "kl": 0.0, "max": -math.inf, "min": math.inf}
+        stats = {"tokens": 0.0, "filtered_out": 0.0, "clipped": 0.0, "ratio": 0.0, "kl": 0.0, "max": -math.inf, "min": math.inf}
         loss_total, norms, problems = 0.0, [], []
         self.last_updates = []
         step_one = iter(pieces)  # epoch 0 forwards the scoring pass's own micro-batches: its first ratio is exactly 1
@@ -141,6 +151,8 @@ class PpoUpdates:
                 "ppo/ratio_max": stats["max"] if stats["tokens"] else 1.0,
                 "ppo/ratio_min": stats["min"] if stats["tokens"] else 1.0,
                 "ppo/skipped_updates": float(skipped),
+                # of the counted tokens over all updates, the share an update pushed out of the filter (ratio 0)
+                "ppo/filtered_out_frac": stats["filtered_out"] / max(stats["tokens"] + stats["filtered_out"], 1.0),
             }
         )
         if not norms:  # nothing applied: the step is skipped
@@ -184,7 +196,7 @@ class PpoUpdates:
         # the mini-batch's own normaliser (its trained tokens, or its rows x max_new_tokens)
         n_mb = loss_normalizer(self.cfg, sum(p.batch.num_trained_tokens for p in group), sum(p.batch.num_sequences for p in group))
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, n_counted, clipped_n, r_lo, r_hi = 0.0, 0, 0, math.inf, -math.inf
+        loss_sum, n_counted, n_finite, clipped_n, r_lo, r_hi = 0.0, 0, 0, 0, math.inf, -math.inf
         for p in group:
             with dropout_off(self.student):
                 s = token_logprobs(self.student_logits(p.batch), p.batch.response_ids)
@@ -196,18 +208,25 @@ class PpoUpdates:
                 loss = torch.where(p.counted, per_token, zero).sum() / max(n_mb, 1)
                 loss.backward()
             with torch.no_grad():
-                r, m = ratio.detach()[p.counted], p.counted
+                # a token an update pushed out of the sampling filter has S(y) = 0, r = 0: no KL term of
+                # it is finite (k3 would add ~707 per token), so the ratio statistics are over the rest
+                # and those tokens are counted apart (ppo/filtered_out_frac)
+                m = p.counted & (ratio.detach() > 0)
+                r = ratio.detach()[m]
                 loss_sum += float(loss.detach())
-                n_counted += int(m.sum())
+                n_counted += int(p.counted.sum())
+                n_finite += int(m.sum())
                 clipped_n += int((clip_active & m).sum())
                 if r.numel():
                     r_lo, r_hi = min(r_lo, float(r.min())), max(r_hi, float(r.max()))
                     stats["ratio"] += float(r.double().sum())
-                    r64 = r.double().clamp_min(torch.finfo(torch.float64).tiny)  # a token the update filtered out: r = 0
+                    r64 = r.double()
                     stats["kl"] += float(((r64 - 1) - torch.log(r64)).sum())  # k3 estimate of KL(S_old || S)
-        record = {"tokens": float(n_counted), "tokens_all": float(n_mb), "clip_frac": clipped_n / max(n_counted, 1)}
+        record = {"tokens": float(n_finite), "tokens_all": float(n_mb), "clip_frac": clipped_n / max(n_finite, 1)}
+        record["filtered_out"] = float(n_counted - n_finite)
         record.update(ratio_min=r_lo, ratio_max=r_hi, loss=loss_sum)
-        stats["tokens"] += n_counted
+        stats["tokens"] += n_finite
+        stats["filtered_out"] += n_counted - n_finite
         stats["clipped"] += clipped_n
         stats["min"], stats["max"] = min(stats["min"], r_lo), max(stats["max"], r_hi)
         max_norm = tc.grad_clip if tc.grad_clip > 0 else float("inf")
