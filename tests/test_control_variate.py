@@ -286,14 +286,14 @@ def test_several_ppo_updates_use_the_baselined_advantages(pair_root, tmp_path):
     with golden.float64():
         t = trainer64(pair_root, tmp_path, Baseline.exact, ppo_epochs=2)
         seen = []
-        behaviour = t.ppo.objective.__call__
+        behaviour = t.head.objective.__call__
 
         def recording(*a, **k):
             out = behaviour(*a, **k)
             seen.append(out)
             return out
 
-        t.ppo.objective = recording
+        t.head.objective = recording
         groups = []
         update = t.ppo._update
         t.ppo._update = lambda group, stats: (groups.append(group), update(group, stats))[1]

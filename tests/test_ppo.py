@@ -68,11 +68,6 @@ def test_defaults_are_one_update_per_rollout():
             "the exact full-vocabulary loss, which has no behaviour policy to clip against); allowed: rollout.on_policy_fraction=1.0",
         ),
         (
-            {"loss": {"ppo_epochs": 2}, "scale": {"fused_lm_head": "on"}},
-            "loss.ppo_epochs=2 is not allowed; allowed: 1 with scale.fused_lm_head=on (the fused path makes one update per "
-            "rollout); allowed: auto or off",
-        ),
-        (
             {"loss": {"ppo_mini_batches": 5}},
             "loss.ppo_mini_batches=5 is not allowed; allowed: at most the rollout's 4 rows (trainer.batch_size x rollout.n_samples)",
         ),
@@ -90,7 +85,7 @@ def test_refused_in_one_line(changes, line):
     assert str(ex.value) == line
 
 
-def test_the_fused_head_on_auto_keeps_the_materialised_path_for_several_updates():
+def test_the_fused_head_on_auto_is_picked_for_several_updates_too():
     from types import SimpleNamespace
 
     from opd_exp.training.fused import use_fused_lm_head
@@ -108,7 +103,7 @@ def test_the_fused_head_on_auto_keeps_the_materialised_path_for_several_updates(
         Qwen2Config(vocab_size=40000, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)
     )
     assert use_fused_lm_head(cfg(1), m, m, 40000) is True
-    assert use_fused_lm_head(cfg(4), m, m, 40000) is False
+    assert use_fused_lm_head(cfg(4), m, m, 40000) is True  # several updates go through the fused head too
 
 
 # -- the surrogate, by enumeration ---------------------------------------------
@@ -361,13 +356,19 @@ def test_approx_kl_and_clip_frac_leave_out_tokens_pushed_out_of_the_filter():
     ids = torch.zeros(1, 2 + R, dtype=torch.long)  # the sampled token is 0 at every position
     batch = types.SimpleNamespace(response_ids=ids[:, 2:], num_trained_tokens=R, num_sequences=1)
     old = torch.full((1, R), math.log(0.25), dtype=torch.float64)
+    from opd_exp.training.heads import ratio_terms
+    from opd_exp.training.scoring import token_logprobs
+
+    def ratio_backward(b, fixed, *, eps, normalizer):  # the materialised head's, on these logits
+        s = token_logprobs(new + 0 * z, b.response_ids)
+        loss, ratio, clip = ratio_terms(s, fixed.old_logprobs, fixed.advantages, fixed.counted, eps, normalizer)
+        loss.backward()
+        return float(loss), ratio.detach(), clip
+
     upd = PpoUpdates(
         small_config(loss={"name": "ppo"}, estimator={"name": "sampled"}),
-        None,
-        None,
-        student=torch.nn.Module(),
-        student_logits=lambda b: new + 0 * z,
-        teacher_scorer=None,
+        head=types.SimpleNamespace(ratio_backward=ratio_backward),
+        check_teacher=lambda scores: None,
         optimizer=torch.optim.SGD([z], lr=0.0),
         params=[z],
         warn=print,
@@ -380,3 +381,30 @@ def test_approx_kl_and_clip_frac_leave_out_tokens_pushed_out_of_the_filter():
     assert problem is None and record["tokens"] == 2.0 and record["filtered_out"] == 1.0
     assert stats["kl"] == pytest.approx(float(((r - 1) - torch.log(r)).sum()), rel=1e-12)  # no ~707 from the filtered token
     assert record["clip_frac"] == pytest.approx(float((r > 1.2).sum()) / 2)
+
+
+@pytest.mark.parametrize("groups_", [
+    dict(loss={"name": "ppo", "ppo_epochs": 2}),
+    dict(loss={"name": "ppo", "ppo_epochs": 2, "ppo_mini_batches": 2}, trainer={"micro_batch_size": 1}),
+    dict(loss={"name": "ppo", "ppo_epochs": 2, "credit": "sequence", "gamma": 0.9}, divergence={"name": "jsd", "beta": 0.3}),
+])  # fmt: skip
+def test_several_ppo_updates_through_the_fused_head_equal_the_materialised_path(groups_, pair_root, tmp_path):
+    """The fused head scores the rollout once and runs each update's ratio loss a chunk of positions
+    at a time: the same losses, metrics and weights as the materialised head (float64, 3 steps)."""
+    runs = {}
+    with golden.float64():
+        for head in ("off", "on"):
+            g = {k: dict(v) for k, v in groups_.items()}
+            g.setdefault("trainer", {}).update(max_steps=3)
+            g["scale"] = {"fused_lm_head": head}
+            g["estimator"] = {"name": "sampled", "chunk_size": 3}  # several chunks per micro-batch
+            t = trainer64(pair_root, tmp_path / head, **g)
+            assert type(t.head).__name__ == ("FusedHead" if head == "on" else "MaterialisedHead")
+            runs[head] = ([t.train_step() for _ in range(3)], [p.detach().clone() for p in t.params])
+    (off, w_off), (on, w_on) = runs["off"], runs["on"]
+    for a, b in zip(off, on):
+        for k in ("loss", "kl/reverse", "jsd/mean", "grad/norm", "ppo/approx_kl", "ppo/clip_frac", "ppo/ratio_mean", "advantages/mean"):
+            assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-12), k
+    assert off[-1]["ppo/approx_kl"] > 0  # later updates moved off the behaviour policy
+    for a, b in zip(w_off, w_on):
+        torch.testing.assert_close(b, a, rtol=1e-9, atol=1e-12)

@@ -611,8 +611,6 @@ def validate_ppo(cfg: TrainConfig) -> None:
             f"1 with rollout.on_policy_fraction={ro.on_policy_fraction!r} (teacher-sampled steps use the exact full-vocabulary "
             "loss, which has no behaviour policy to clip against); allowed: rollout.on_policy_fraction=1.0",
         )
-    if tc.fused_lm_head is FusedLmHead.on:
-        _fail(key, value, "1 with scale.fused_lm_head=on (the fused path makes one update per rollout); allowed: auto or off")
     if tc.parallel is not Parallel.none:
         _fail(key, value, f"1 with scale.parallel={tc.parallel.value} (several updates per rollout are single-process for now)")
     rows = cfg.trainer.batch_size * ro.n_samples

@@ -144,6 +144,95 @@ def fused_accumulate(
 
 
 @torch.no_grad()
+def fused_behaviour(objective: Objective, monitors: Monitors, student, teacher: InProcessTeacher, batch: Batch, *, vocab_size: int,
+                    sampling: SamplingSpec, normalizer: float, chunk_positions: int | None = None, autocast=contextlib.nullcontext,
+                    check_teacher=None):  # fmt: skip
+    """PPO's scoring pass through the fused path, without gradient: the objective and monitors a
+    chunk at a time (as ``fused_accumulate``, no backward), and per position ``[N, R]`` what the
+    updates are fixed to: the behaviour log-probs, the advantages and the counted positions."""
+    cfg = objective.cfg
+    mask = batch.trained_mask.bool()
+    y = batch.response_ids
+    positions = chunk_positions or 2 * default_chunk_size(vocab_size)
+    per_token = cfg.loss.credit.value == "token" and not objective.positions.by_row
+    head = student.get_output_embeddings()
+    counted = objective.positions.counted(mask)
+    with autocast():
+        h_student = response_hidden(student, batch)
+    h_teacher = teacher.hidden(batch)
+    old = adv = None  # [N, R] in the objective's dtype, from the first chunk
+    kept = torch.zeros_like(mask)
+    tally = Tally()
+    engine_lp = batch.sampling_logprobs
+    for rows, cols in _chunks(mask, per_token, positions):
+
+        def pick(t, rows=rows, cols=cols):
+            r = rows.to(t.device)
+            return t[r, cols.to(t.device)].unsqueeze(0) if cols is not None else t[r]
+
+        def put(full, part, rows=rows, cols=cols):
+            if cols is not None:
+                full[rows, cols] = part.squeeze(0).to(full.dtype)
+            else:
+                full[rows] = part.to(full.dtype)
+
+        zt = teacher.chunk_logits(pick(h_teacher), mask.device)
+        if check_teacher is not None:
+            check_teacher(zt)
+        with autocast():
+            zs = sampling.logits(lm_head_logits(pick(h_student), head, vocab_size))
+        reward = None if batch.reward_advantages is None else pick(batch.reward_advantages)
+        out = objective(zs, zt, pick(y), pick(mask), on_policy=True, normalizer=normalizer, counted=pick(counted), reward_advantages=reward)
+        if old is None:
+            old = torch.zeros(mask.shape, dtype=out.logprobs.dtype, device=mask.device)
+            adv = torch.zeros(mask.shape, dtype=out.advantages.dtype, device=mask.device)
+        put(old, out.logprobs)
+        put(adv, out.advantages)
+        put(kept, out.counted)
+        tally.add(out)
+        tally.add(monitors(zs, zt, out, engine_logprobs=None if engine_lp is None else pick(engine_lp)))
+        del zs, zt, out
+    if old is None:  # no trained token in the micro-batch
+        old = adv = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)
+    return tally, old, adv, kept
+
+
+def fused_ratio_backward(student, batch: Batch, fixed, *, vocab_size: int, sampling: SamplingSpec, eps: float, normalizer: float,
+                         chunk_positions: int | None = None, autocast=contextlib.nullcontext):  # fmt: skip
+    """One PPO update's loss on a micro-batch through the fused path: log S(y) a chunk of counted
+    positions at a time from the hidden states, the clipped ratio loss per chunk, its backward into
+    the hidden states' gradient, then one backward through the backbone. (loss, ratio, clip active)."""
+    from opd_exp.training.heads import ratio_terms
+    from opd_exp.training.scoring import token_logprobs
+
+    counted = fixed.counted.bool()
+    positions = chunk_positions or 2 * default_chunk_size(vocab_size)
+    head = student.get_output_embeddings()
+    with autocast():
+        h_student = response_hidden(student, batch)
+    h_free = h_student.detach()
+    grad_h = torch.zeros_like(h_free)
+    ratio = torch.ones(counted.shape, dtype=fixed.old_logprobs.dtype, device=counted.device)
+    clip = torch.zeros_like(counted)
+    loss_total = 0.0
+    for rows, cols in _chunks(counted, True, positions):  # per-token terms: the advantages are fixed
+        hc = h_free[rows, cols].unsqueeze(0).requires_grad_(True)
+        with autocast():
+            zs = sampling.logits(lm_head_logits(hc, head, vocab_size))
+        s = token_logprobs(zs, batch.response_ids[rows, cols].unsqueeze(0))
+        at = (rows, cols)
+        loss, r, c = ratio_terms(s, fixed.old_logprobs[at].unsqueeze(0), fixed.advantages[at].unsqueeze(0),
+                                 torch.ones_like(s, dtype=torch.bool), eps, normalizer)  # fmt: skip
+        loss.backward()
+        grad_h[rows, cols] += hc.grad.squeeze(0)
+        ratio[at], clip[at] = r.detach().squeeze(0).to(ratio.dtype), c.squeeze(0)
+        loss_total += float(loss.detach())
+        del zs, hc
+    h_student.backward(grad_h)
+    return loss_total, ratio, clip
+
+
+@torch.no_grad()
 def fused_position_sums(
     student,
     teacher: InProcessTeacher,
@@ -217,6 +306,28 @@ class FusedHead:
                 check_teacher=check_teacher,
             )
 
+    def behaviour(self, mbs: list[Batch], *, n_tokens: float, check_teacher):
+        """PPO's scoring pass (``MaterialisedHead.behaviour``), a chunk of positions at a time."""
+        from opd_exp.training.heads import Fixed
+
+        tally, fixed = Tally(), []
+        for mb in mbs:
+            with dropout_off(self.student):
+                t, old, adv, counted = fused_behaviour(
+                    self.objective, self.monitors, self.student, self.teacher, mb, vocab_size=self.vocab_size, sampling=self.sampling,
+                    normalizer=n_tokens, chunk_positions=self.chunk_positions, autocast=self.autocast, check_teacher=check_teacher,
+                )  # fmt: skip
+            tally.add(Output(loss=torch.zeros(()), sums=dict(t), counts=t.counts, maxes=t.maxes))
+            fixed.append(Fixed(old, adv, counted))
+        return tally, fixed
+
+    def ratio_backward(self, batch: Batch, fixed, *, eps: float, normalizer: float):
+        with dropout_off(self.student):
+            return fused_ratio_backward(
+                self.student, batch, fixed, vocab_size=self.vocab_size, sampling=self.sampling, eps=eps, normalizer=normalizer,
+                chunk_positions=self.chunk_positions, autocast=self.autocast,
+            )  # fmt: skip
+
     def position_sums(self, batch: Batch, divergences: Mapping, with_entropy: bool) -> dict[str, float]:
         """Eval's per-position sums through the fused path (``Evaluator``'s ``position_sums``)."""
         with dropout_off(self.student):
@@ -243,9 +354,7 @@ def use_fused_lm_head(cfg: TrainConfig, student, teacher, vocab_size: int) -> bo
         if reason:
             raise ConfigError(f"scale.fused_lm_head='on' is not allowed; allowed: auto or off here ({reason})")
         return True
-    # several PPO updates per rollout run on the materialised path (the fused one makes one update)
-    one_update = cfg.loss.ppo_updates == 1
-    return reason is None and tc.parallel.value == "none" and not tc.lora_rank and one_update and vocab_size >= AUTO_MIN_VOCAB
+    return reason is None and tc.parallel.value == "none" and not tc.lora_rank and vocab_size >= AUTO_MIN_VOCAB
 
 
 def build_fused_head(

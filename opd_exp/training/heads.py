@@ -20,10 +20,27 @@ import torch
 from opd_exp.runtime import distributed as dist_util
 from opd_exp.training.fused import build_fused_head
 from opd_exp.training.monitors import Monitors, Tally
-from opd_exp.training.objective import Objective
+from opd_exp.training.objective import Objective, ppo_surrogate
 from opd_exp.training.rollout import Batch
 from opd_exp.training.sampling import SamplingSpec
-from opd_exp.training.scoring import TeacherScorer, dropout_off, student_logits
+from opd_exp.training.scoring import TeacherScorer, dropout_off, student_logits, token_logprobs
+
+
+def ratio_terms(s: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, counted: torch.Tensor, eps: float, normalizer: float):
+    """PPO's clipped loss on positions ``[.., R]`` from log S(y) ``s`` (with grad): (loss, ratio, clip
+    active). Only counted positions: a pad or filtered-out token scored -1e9 before an update may be
+    inside the filter after it, and exp(+1e9) = inf would turn the masked gradient NaN."""
+    ratio = torch.exp(torch.where(counted, s - old, torch.zeros_like(s)))
+    per_token, clip_active = ppo_surrogate(ratio, adv.to(s.dtype), eps)
+    zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
+    return torch.where(counted, per_token, zero).sum() / max(float(normalizer), 1.0), ratio, clip_active
+
+
+class Fixed:
+    """What a PPO scoring pass fixes for a micro-batch's rows: log S_old(y), advantages, counted."""
+
+    def __init__(self, old_logprobs: torch.Tensor, advantages: torch.Tensor, counted: torch.Tensor):
+        self.old_logprobs, self.advantages, self.counted = old_logprobs, advantages, counted
 
 
 class MaterialisedHead:
@@ -87,6 +104,45 @@ class MaterialisedHead:
             tally.add(out)
             tally.add(self.monitors(zs, zt, out, engine_logprobs=mb.sampling_logprobs))
         return loss_total, tally
+
+    # -- several PPO updates per rollout (training/ppo.py): a scoring pass, then ratio losses --------
+    def behaviour(self, mbs: list[Batch], *, n_tokens: float, check_teacher: Callable) -> tuple[Tally, list[Fixed]]:
+        """The scoring pass, before any update and without gradient: the teacher's scores, the
+        objective's advantages and the behaviour log-probs of each micro-batch, and the step's metrics."""
+        pending = [self.teacher_scorer.submit(mb) for mb in mbs]
+        tally, fixed = Tally(), []
+        try:
+            for mb, p in zip(mbs, pending):
+                scores = p.result()
+                check_teacher(scores.finite_check())
+                with torch.no_grad(), dropout_off(self.student):
+                    zs = self.student_logits(self.train_module, mb)
+                    out = self.objective(
+                        zs,
+                        scores,
+                        mb.response_ids,
+                        mb.trained_mask,
+                        on_policy=True,
+                        normalizer=n_tokens,
+                        reward_advantages=mb.reward_advantages,
+                    )
+                tally.add(out)
+                tally.add(self.monitors(zs, scores, out, engine_logprobs=mb.sampling_logprobs))
+                fixed.append(Fixed(out.logprobs, out.advantages, out.counted))
+                del zs, scores
+        finally:
+            for p in pending:
+                p.cancel()
+        return tally, fixed
+
+    def ratio_backward(self, batch: Batch, fixed: Fixed, *, eps: float, normalizer: float):
+        """One micro-batch's PPO loss against its fixed behaviour, backward into the student:
+        (loss, ratio [n, R], clip active [n, R]), both detached."""
+        with dropout_off(self.student):
+            s = token_logprobs(self.student_logits(self.train_module, batch), batch.response_ids)
+            loss, ratio, clip = ratio_terms(s, fixed.old_logprobs, fixed.advantages, fixed.counted, eps, normalizer)
+            loss.backward()
+        return float(loss.detach()), ratio.detach(), clip
 
 
 def build_head(cfg, objective, monitors, student, train_module, teacher_scorer, dist, *, vocab_size, autocast):

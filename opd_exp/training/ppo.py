@@ -37,11 +37,9 @@ from typing import Any
 import torch
 
 from opd_exp.config.schema import TrainConfig
-from opd_exp.runtime.guards import NonFinite, nonfinite_summary
-from opd_exp.training.monitors import Monitors, Tally
-from opd_exp.training.objective import Objective, loss_normalizer, ppo_surrogate
+from opd_exp.training.monitors import Tally
+from opd_exp.training.objective import loss_normalizer
 from opd_exp.training.rollout import Batch
-from opd_exp.training.scoring import dropout_off, token_logprobs
 
 PPO_METRICS = (
     "ppo/clip_frac",
@@ -75,25 +73,25 @@ class Piece:
 
 
 class PpoUpdates:
-    """The updates of one rollout. The trainer hands in what it owns: the student's forward under
-    the sampling transform, the teacher scorer, the optimizer and the trainable parameters."""
+    """The updates of one rollout: the schedule (epochs, mini-batches, the order of the rows) and the
+    ratio statistics. The forwards go through the trainer's LM head (``training/heads.py``: the
+    materialised or the fused one), which scores the rollout once (``behaviour``) and runs each
+    update's ratio loss and backward (``ratio_backward``); the trainer hands in the head, its teacher
+    check, the optimizer and the trainable parameters."""
 
     def __init__(
         self,
         cfg: TrainConfig,
-        objective: Objective,
-        monitors: Monitors,
         *,
-        student,
-        student_logits: Callable[[Batch], torch.Tensor],
-        teacher_scorer,
+        head,
+        check_teacher: Callable[[torch.Tensor], None],
         optimizer: torch.optim.Optimizer,
         params: list[torch.nn.Parameter],
         warn: Callable[[str], None],
         after_update: Callable[[], None] = lambda: None,
     ):
-        self.cfg, self.objective, self.monitors, self.student, self.student_logits = cfg, objective, monitors, student, student_logits
-        self.teacher_scorer, self.optimizer, self.params, self.warn = teacher_scorer, optimizer, params, warn
+        self.cfg, self.head, self.check_teacher = cfg, head, check_teacher
+        self.optimizer, self.params, self.warn = optimizer, params, warn
         self.last_updates: list[dict[str, float]] = []  # per update of the last step (tests, debugging)
         self.after_update = after_update  # every applied update: a teacher made from the student follows it
 
@@ -160,35 +158,11 @@ class PpoUpdates:
         # the loss over the rollout's tokens, averaged over the epochs (one update: the one-step loss)
         return loss_total / max(total, 1) / lo.ppo_epochs, tally, sum(norms) / len(norms), None
 
-    def _behaviour(self, batch: Batch, micro: list[torch.Tensor], n_tokens: int, step: int) -> tuple[Tally, list[Piece]]:
+    def _behaviour(self, batch: Batch, micro: list[torch.Tensor], n_tokens: float, step: int) -> tuple[Tally, list[Piece]]:
         """The scoring pass: the teacher's scores, the advantages and the behaviour log-probs, once."""
         mbs = [select_rows(batch, r.to(batch.input_ids.device)) for r in micro]
-        pending = [self.teacher_scorer.submit(mb) for mb in mbs]
-        tally, pieces = Tally(), []
-        try:
-            for mb, p in zip(mbs, pending):
-                scores = p.result()
-                if (bad := nonfinite_summary(scores.finite_check())) is not None:
-                    raise NonFinite(f"teacher log-probs are not finite at step {step} ({bad} teacher logits)")
-                with torch.no_grad(), dropout_off(self.student):
-                    zs = self.student_logits(mb)
-                    out = self.objective(
-                        zs,
-                        scores,
-                        mb.response_ids,
-                        mb.trained_mask,
-                        on_policy=True,
-                        normalizer=n_tokens,
-                        reward_advantages=mb.reward_advantages,
-                    )
-                tally.add(out)
-                tally.add(self.monitors(zs, scores, out, engine_logprobs=mb.sampling_logprobs))
-                pieces.append(Piece(mb, out.logprobs, out.advantages, out.counted))
-                del zs, scores
-        finally:
-            for p in pending:
-                p.cancel()
-        return tally, pieces
+        tally, fixed = self.head.behaviour(mbs, n_tokens=n_tokens, check_teacher=self.check_teacher)
+        return tally, [Piece(mb, f.old_logprobs, f.advantages, f.counted) for mb, f in zip(mbs, fixed)]
 
     def _update(self, group: list[Piece], stats: dict[str, float]) -> tuple[float, float, str | None, dict[str, Any]]:
         """One optimizer step on a mini-batch: (loss, grad norm, problem or None, this update's record)."""
@@ -198,22 +172,14 @@ class PpoUpdates:
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, n_counted, n_finite, clipped_n, r_lo, r_hi = 0.0, 0, 0, 0, math.inf, -math.inf
         for p in group:
-            with dropout_off(self.student):
-                s = token_logprobs(self.student_logits(p.batch), p.batch.response_ids)
-                # only counted positions: a pad or filtered-out token scored -1e9 before an update may
-                # be inside the filter after it, and exp(+1e9) = inf would turn the masked gradient NaN
-                ratio = torch.exp(torch.where(p.counted, s - p.old_logprobs, torch.zeros_like(s)))
-                per_token, clip_active = ppo_surrogate(ratio, p.advantages.to(s.dtype), eps)
-                zero = torch.zeros((), dtype=per_token.dtype, device=per_token.device)
-                loss = torch.where(p.counted, per_token, zero).sum() / max(n_mb, 1)
-                loss.backward()
+            loss, ratio, clip_active = self.head.ratio_backward(p.batch, p, eps=eps, normalizer=n_mb)
             with torch.no_grad():
                 # a token an update pushed out of the sampling filter has S(y) = 0, r = 0: no KL term of
                 # it is finite (k3 would add ~707 per token), so the ratio statistics are over the rest
                 # and those tokens are counted apart (ppo/filtered_out_frac)
-                m = p.counted & (ratio.detach() > 0)
-                r = ratio.detach()[m]
-                loss_sum += float(loss.detach())
+                m = p.counted & (ratio > 0)
+                r = ratio[m]
+                loss_sum += loss
                 n_counted += int(p.counted.sum())
                 n_finite += int(m.sum())
                 clipped_n += int((clip_active & m).sum())

@@ -121,18 +121,14 @@ class Trainer:
             position_sums=getattr(self.head, "position_sums", None),  # the fused head's (no [N, R, V] logits)
             routing=self.teachers.router, teacher_view=self.teacher_prompt.attach,
         )  # fmt: skip
-
         self.params = [p for p in self.student.parameters() if p.requires_grad]
         # fused AdamW: no parameter-sized temporary per step (runtime/host.py)
         self.optimizer = host.adamw(self.params, lr=tc.lr, weight_decay=tc.weight_decay, device=self.device, fsdp=fsdp)
-        # loss.ppo_epochs / ppo_mini_batches: several clipped updates per rollout, each an optimizer step
-        self.ppo = None
-        if cfg.loss.ppo_updates > 1:
-            self.ppo = PpoUpdates(
-                cfg, self.objective, self.monitors, student=self.student,
-                student_logits=lambda b: self.student_logits(self.train_module, b), teacher_scorer=self.teacher_scorer,
-                optimizer=self.optimizer, params=self.params, warn=self.warn, after_update=lambda: self._sync_teacher(self.step + 1),
-            )  # fmt: skip
+        # loss.ppo_epochs / ppo_mini_batches: several clipped updates per rollout through the head, each an optimizer step
+        self.ppo = None if cfg.loss.ppo_updates == 1 else PpoUpdates(
+            cfg, head=self.head, check_teacher=self._check_teacher, optimizer=self.optimizer, params=self.params, warn=self.warn,
+            after_update=lambda: self._sync_teacher(self.step + 1),
+        )  # fmt: skip
         # estimator=sampled: an eval divergence that stays above its start is said once (advice.py)
         own = self.eval_divergences.own_key
         self.eval_rise = EvalRise(own, "sampled", tc.lr, cfg.estimator.baseline.value) if cfg.estimator.name.value == "sampled" else None
@@ -190,8 +186,7 @@ class Trainer:
             self.teacher_scorer.sync(self.student, step)
 
     def _check_teacher(self, scores: torch.Tensor) -> None:
-        """Caught before the loss: a NaN teacher logit would turn the loss (and, through masked
-        positions, the gradient) into NaN with no hint where it came from. All ranks agree."""
+        """Before the loss: a NaN teacher logit would make the loss NaN with no hint where it came from. All ranks agree."""
         bad = nonfinite_summary(scores)
         if dist_util.any_rank(bad is not None, self.dist):
             where = f"{bad} teacher logits" if bad is not None else "on another rank"
