@@ -1,0 +1,68 @@
+"""The ``rollout`` group: how responses are sampled (the sampling distribution is the trained one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+from opd_exp.config.checks import check as _check
+from opd_exp.config.checks import finite as _finite
+
+
+class RolloutEngine(Enum):
+    auto = "auto"  # lean, except with scale.parallel=fsdp (hf: sharded forwards need generate's synced_gpus)
+    hf = "hf"  # transformers generate on the training copy of the model
+    lean = "lean"  # our own KV-cache decode loop on the training copy (Gumbel-max draws; no generate)
+    vllm = "vllm"  # a vLLM engine (optional extra), weights synced after every update
+
+
+@dataclass
+class RolloutConfig:
+    """How responses are sampled."""
+
+    # responses sampled per prompt
+    n_samples: int = 1
+    # sampling temperature (divides the student's logits; also the student side of D)
+    temperature: float = 1.0
+    # nucleus sampling mass (1.0: off); the student side of D is the filtered distribution,
+    # so fkl (and jsd at beta=0) is infinite under a filter and refused
+    top_p: float = 1.0
+    # top-k sampling (0: off); same as top_p for fkl. A checkpoint's own generation_config
+    # (repetition_penalty, no_repeat_ngram_size, min_p, ...) is never applied to rollouts
+    top_k: int = 0
+    # prompts longer than this are truncated from the left
+    max_prompt_tokens: int = 256
+    # response length cap
+    max_new_tokens: int = 40
+    # GKD's lambda: share of steps whose responses the student samples (the rest: the teacher)
+    on_policy_fraction: float = 1.0
+    # auto: lean (hf under scale.parallel=fsdp) | hf: transformers generate | lean: our
+    # KV-cache decode loop over the same module (the same distribution, a fraction of
+    # generate's per-token overhead; docs/training.md) | vllm: a vLLM engine (pip install 'opd-exp[vllm]'; docs/scale.md)
+    engine: RolloutEngine = RolloutEngine.auto
+    # vllm only: share of the GPU's memory the engine may take (the trainer needs the rest)
+    vllm_gpu_memory_utilization: float = 0.3
+
+    def __post_init__(self) -> None:
+        _check(
+            _finite(self.vllm_gpu_memory_utilization) and 0.0 < self.vllm_gpu_memory_utilization < 1.0,
+            "rollout.vllm_gpu_memory_utilization",
+            self.vllm_gpu_memory_utilization,
+            "0 < x < 1",
+        )
+        _check(self.n_samples >= 1, "rollout.n_samples", self.n_samples, "integer >= 1")
+        _check(_finite(self.temperature) and self.temperature > 0, "rollout.temperature", self.temperature, "> 0")
+        _check(_finite(self.top_p) and 0.0 < self.top_p <= 1.0, "rollout.top_p", self.top_p, "0 < top_p <= 1")
+        _check(self.top_k >= 0, "rollout.top_k", self.top_k, "integer >= 0 (0: off)")
+        _check(self.max_prompt_tokens >= 1, "rollout.max_prompt_tokens", self.max_prompt_tokens, "integer >= 1")
+        _check(self.max_new_tokens >= 1, "rollout.max_new_tokens", self.max_new_tokens, "integer >= 1")
+        _check(
+            _finite(self.on_policy_fraction) and 0.0 <= self.on_policy_fraction <= 1.0,
+            "rollout.on_policy_fraction",
+            self.on_policy_fraction,
+            "0 <= on_policy_fraction <= 1",
+        )
+
+    @property
+    def filtered(self) -> bool:
+        return self.top_p < 1.0 or self.top_k > 0
