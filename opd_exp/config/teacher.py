@@ -12,6 +12,14 @@ Kinds (``teacher.name``, a registry: ``training.teachers.register_teacher_scorer
 ``teacher.privileged`` (every in-process kind): the teacher is asked the problem plus privileged
 context (the task's worked solution or final answer) and scores the student's response tokens
 under that prompt; the student never sees it.
+
+``teacher.align=bytes`` (in process): a teacher with ANOTHER tokenizer. The student's sampled text is
+rendered for the teacher with the teacher's tokenizer, the teacher scores its own tokens, and the two
+tokenizations are aligned by byte offsets into chunks (``training/teacher_align.py``,
+``divergences/chunks.py``); the teacher's chunk log-probs go to ``estimator=sampled`` as a sampled-only
+payload whose rkl costs sum to log S(y) - log T_canon(x): with ``loss.credit=sequence`` (gamma=1) an
+unbiased estimate of the gradient of the sequence-level KL(S || T_canon) (docs/training.md, "Teachers
+with another tokenizer").
 """
 
 from __future__ import annotations
@@ -34,6 +42,8 @@ BUILT_IN = {
 }
 TeacherName = RegistryChoice("TeacherName", [(n, n) for n in BUILT_IN])
 FROM_STUDENT = ("ema", "lagged", "live")  # kinds whose weights are the student's
+ALIGN = ("none", "bytes")  # teacher.align
+ALIGN_PLACEMENTS = ("sequence", "chunk")  # teacher.align_placement (divergences.chunks.PLACEMENTS)
 
 
 class Privileged(Enum):
@@ -81,6 +91,17 @@ class TeacherConfig:
     # in-process teacher; refuse when they differ by more than self_test_atol (nats, max over tokens)
     self_test: bool = True
     self_test_atol: float = 1e-3
+    # none: the teacher scores the student's tokens (one tokenizer) | bytes: the teacher scores its
+    # own tokenization of the student's text, aligned by byte offsets (in_process; module docstring)
+    align: str = "none"
+    # bytes: where each teacher log-prob is placed among the student's tokens: sequence (the whole
+    # teacher log-prob at the row's last token: exact for every pair of tokenizers) | chunk (at each
+    # chunk's last student token: exact without teacher look-ahead, biased with it; identical
+    # tokenizers give the same losses as align=none)
+    align_placement: str = "sequence"
+    # bytes: allow what is biased for the sequence KL (loss.credit=token or gamma < 1; placement=chunk
+    # with a teacher whose tokenizer is not the student's), named on purpose
+    align_biased: bool = False
 
     def __post_init__(self) -> None:
         if self.k is not None:
@@ -102,6 +123,9 @@ class TeacherConfig:
                 "solution or answer with teacher=live (the live student scoring its own tokens gives zero signal); "
                 "or teacher=ema / lagged / in_process",
             )
+        _check(self.align in ALIGN, "teacher.align", self.align, " | ".join(ALIGN))
+        _check(self.align_placement in ALIGN_PLACEMENTS, "teacher.align_placement", self.align_placement, " | ".join(ALIGN_PLACEMENTS))
+        _check(isinstance(self.align_biased, bool), "teacher.align_biased", self.align_biased, "true or false")
         if self.url is not None:
             ok = self.url.startswith(("http://", "https://")) and len(self.url.split("://", 1)[1].strip("/")) > 0
             _check(ok, "teacher.url", self.url, "http://HOST:PORT (the server opd-serve-teacher prints)")
@@ -131,6 +155,8 @@ def validate_teacher(cfg) -> None:
             cfg.rollout.on_policy_fraction,
             f"1.0 with teacher={te.name.value} (its rollouts would be the student's own: no teacher-sampled steps)",
         )
+    if te.align == "bytes":
+        validate_align(cfg)
     if not te.served:
         return
     if te.privileged is not Privileged.none:
@@ -153,3 +179,53 @@ def validate_teacher(cfg) -> None:
     k = te.k if te.k is not None else cfg.estimator.k
     if cfg.estimator.name.value in ("topk", "topk_renorm", "topk_generalized_kl") and cfg.estimator.k > k:
         _fail("estimator.k", cfg.estimator.k, f"at most teacher.k={k} with teacher=served (the server sends its top-{k})")
+
+
+def validate_align(cfg) -> None:
+    """What ``teacher.align=bytes`` can feed: the sampled-only chunk payload, proven for reverse KL
+    with sequence credit (divergences/chunks.py); one line for anything else."""
+    from opd_exp.config.schema import Baseline, EstimatorName, FusedLmHead
+
+    te, why = cfg.teacher, "with teacher.align=bytes"
+    if te.name.value != "in_process":
+        _fail("teacher.name", te.name.value, f"in_process {why} (a served, routed or student-made teacher scores the student's tokens)")
+    if cfg.teachers.active:
+        _fail("teachers.map", "(set)", f"none {why} (one in-process teacher)")
+    if cfg.estimator.name is not EstimatorName.sampled:
+        _fail(
+            "estimator.name",
+            cfg.estimator.name.value,
+            f"sampled {why} (the teacher's distribution is over its own vocabulary: only the sampled text's log-prob is shared)",
+        )
+    if cfg.divergence.name.value != "rkl":
+        _fail(
+            "divergence.name",
+            cfg.divergence.name.value,
+            f"rkl {why} (only reverse KL's sequence log-ratio is a sum of chunk log-ratios; docs/training.md)",
+        )
+    if cfg.estimator.baseline is not Baseline.none:
+        _fail(
+            "estimator.baseline",
+            cfg.estimator.baseline.value,
+            f"none {why} (a baseline needs the teacher's distribution over the student's tokens)",
+        )
+    credit, gamma = cfg.loss.credit.value, cfg.loss.gamma
+    if (credit != "sequence" or gamma != 1.0) and not te.align_biased:
+        key, value = ("loss.credit", credit) if credit != "sequence" else ("loss.gamma", gamma)
+        _fail(
+            key,
+            value,
+            f"loss.credit=sequence with loss.gamma=1.0 {why} (the unbiased estimate of grad KL(S || T_canon)); "
+            "or teacher.align_biased=true to train the biased prefix-frozen chunk objective",
+        )
+    if cfg.rollout.on_policy_fraction < 1.0:
+        _fail(
+            "rollout.on_policy_fraction", cfg.rollout.on_policy_fraction, f"1.0 {why} (teacher-sampled steps need the exact per-token loss)"
+        )
+    if cfg.rollout.filtered:
+        key, value = ("rollout.top_k", cfg.rollout.top_k) if cfg.rollout.top_k > 0 else ("rollout.top_p", cfg.rollout.top_p)
+        _fail(key, value, f"rollout.top_k=0 and rollout.top_p=1.0 {why} (the filtered-mass term needs the teacher's distribution)")
+    if te.privileged is not Privileged.none:
+        _fail("teacher.privileged", te.privileged.value, f"none {why}")
+    if cfg.scale.fused_lm_head is FusedLmHead.on:
+        _fail("scale.fused_lm_head", "on", f"auto or off {why}")

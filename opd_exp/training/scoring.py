@@ -171,7 +171,9 @@ class TeacherScores:
 
     def finite_check(self) -> torch.Tensor:
         """The tensor whose entries must all be finite for the loss to be."""
-        return self.logits if self.dense else torch.cat([self.topk_logprobs.flatten(), self.sampled_logprobs.flatten()])
+        if self.dense:
+            return self.logits
+        return torch.cat([x.flatten() for x in (self.topk_logprobs, self.sampled_logprobs) if x is not None])  # a sampled-only payload too
 
     def to(self, device) -> TeacherScores:
         move = lambda x: None if x is None else x.to(device)

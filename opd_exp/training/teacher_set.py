@@ -34,6 +34,7 @@ class TeacherSet:
         self.records: dict[str, dict[str, Any]] = records or {}
         self.scorers: list = []
         self._engines: dict[int, Any] = {}
+        self.teacher_tokenizer = None  # the pair's teacher's own tokenizer, where it has one (teacher.align=bytes)
 
     @classmethod
     def load(cls, cfg, pair, device, splits: dict[str, Sequence[Any]], load=None, *, student=None) -> tuple[Any, TeacherSet]:
@@ -49,7 +50,9 @@ class TeacherSet:
             return model, cls(cfg, [model], device=student.device)
         if not cfg.teachers.active:
             model = prec.prepare_teacher(pair.teacher, sc, device)  # frozen, no grad
-            return model, cls(cfg, [model], device=device)
+            one = cls(cfg, [model], device=device)
+            one.teacher_tokenizer = getattr(pair, "teacher_tokenizer", None)
+            return model, one
         if load is None:
             raise ValueError("TeacherSet.load: teachers.map is set but no loader was given (pairs.teacher_map.load_map_teacher)")
         router = Router(cfg.teachers)
@@ -71,7 +74,7 @@ class TeacherSet:
         self._engine_args = (tokenizer, vocab_size, autocast)
         kw = dict(device=self.device, autocast=autocast, warn=warn)
         if not self.active:
-            return build_teacher_scorer(self.cfg, self.models[0], tokenizer, vocab_size, **kw)
+            return build_teacher_scorer(self.cfg, self.models[0], tokenizer, vocab_size, teacher_tokenizer=self.teacher_tokenizer, **kw)
         self.scorers = [
             build_teacher_scorer(self._entry_config(n), m, tokenizer, vocab_size, **kw) for n, m in zip(self.names, self.models)
         ]

@@ -28,6 +28,7 @@ class ScorerContext:
     device: Any
     autocast: Any = contextlib.nullcontext
     warn: Callable[[str], None] = print
+    teacher_tokenizer: Any = None  # the teacher's own tokenizer where it is not the pair's (teacher.align=bytes)
 
     def in_process(self, cls=InProcessTeacher, **kw) -> InProcessTeacher:
         return cls(
@@ -60,6 +61,8 @@ def sparse_teacher_k(cfg, vocab_size: int) -> int | None:
     """The top-k of a served teacher that does not cover the vocabulary (None: the teacher's
     whole distribution is there: in-process, or k >= V)."""
     te = cfg.teacher
+    if te.align == "bytes":
+        return 0  # a sampled-only payload (training/teacher_align.py): no top-k at all
     if not te.served:
         return None
     k = te.k if te.k is not None else cfg.estimator.k
@@ -68,6 +71,10 @@ def sparse_teacher_k(cfg, vocab_size: int) -> int | None:
 
 @register_teacher_scorer("in_process")
 def _in_process(ctx: ScorerContext) -> TeacherScorer:
+    if ctx.cfg.teacher.align == "bytes":  # the teacher's own tokens, aligned by byte offsets
+        from opd_exp.training.teacher_align import build_byte_aligned
+
+        return build_byte_aligned(ctx)
     return ctx.in_process()
 
 
@@ -100,7 +107,9 @@ def _live(ctx: ScorerContext) -> TeacherScorer:
     return ctx.in_process(LiveTeacher)
 
 
-def build_teacher_scorer(cfg, model, tokenizer, vocab_size: int, *, device, autocast=contextlib.nullcontext, warn=print) -> TeacherScorer:
-    """``teacher.name``'s registered scorer."""
+def build_teacher_scorer(
+    cfg, model, tokenizer, vocab_size: int, *, device, autocast=contextlib.nullcontext, warn=print, teacher_tokenizer=None
+) -> TeacherScorer:
+    """``teacher.name``'s registered scorer (``teacher_tokenizer``: the teacher's own, where not the pair's)."""
     build = TEACHER_SCORERS[cfg.teacher.name.value]
-    return build(ScorerContext(cfg, model, tokenizer, vocab_size, device, autocast, warn))
+    return build(ScorerContext(cfg, model, tokenizer, vocab_size, device, autocast, warn, teacher_tokenizer))
