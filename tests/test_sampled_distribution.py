@@ -86,11 +86,12 @@ def test_greedy_is_plain_argmax_whatever_the_checkpoint_ships(shipping_pair):
 
 
 def test_the_ignored_settings_are_named_once(shipping_pair, tmp_path, monkeypatch):
+    from opd_exp.training.console import Console
     from opd_exp.training.trainer import Trainer
 
     assert checkpoint_sampling_settings(shipping_pair.student) == SHIPPED
     lines = []
-    monkeypatch.setattr(Trainer, "warn", lambda self, line: lines.append(line))
+    monkeypatch.setattr(Console, "warn", lambda self, line: lines.append(line))  # every line the trainer says
     cfg = small_config(divergence={"name": "rkl"}, estimator={"name": "sampled"}, loss={"name": "reinforce"})
     trainer = Trainer(cfg, tmp_path, pair=shipping_pair, task=AddTask())
     m = trainer.train_step()  # and a training step samples the trainer's distribution
