@@ -16,8 +16,10 @@ import json
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from helpers.tiny import AddTask, small_config
+from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.trainer import Trainer
 
 EXACT_GROUPS = dict(
@@ -64,3 +66,153 @@ def test_same_tokenizer_through_bytes_gives_todays_losses(tiny_dir, tmp_path):
     other = _run(tmp_path / "sequence", _pair(tiny_dir), align="bytes", align_placement="sequence")
     assert other[0]["kl/reverse"] == pytest.approx(today[0]["kl/reverse"], rel=1e-6)  # the same sequence costs
     assert abs(other[0]["loss"] - today[0]["loss"]) > 1e-4 * abs(today[0]["loss"])
+
+
+MERGES = [("1", "2"), ("3", "4"), ("5", "6"), ("7", "8"), ("9", "0"), ("1", "0"), ("+", "1")]
+
+
+def build_teacher_tokenizer(folder):
+    """Another tokenizer: BPE over the same characters in another id order, seven merges (multi-
+    character tokens whose splits look ahead), and a ChatML end of turn."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    from helpers.tiny import CHARS
+
+    pieces = [*reversed(CHARS), *("".join(m) for m in MERGES)]
+    vocab = {"<|im_end|>": 0, "<pad>": 1, **{p: i + 2 for i, p in enumerate(pieces)}}
+    tok = Tokenizer(models.BPE(vocab, MERGES))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>")
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
+    fast.save_pretrained(folder)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def other_teacher(tmp_path_factory):
+    from helpers.tiny import build_model
+
+    root = tmp_path_factory.mktemp("other_teacher")
+    tok = build_teacher_tokenizer(root / "tokenizer")
+    model = build_model(root / "teacher", len(tok), hidden=32, layers=2, seed=5)
+    return tok, model
+
+
+def _batch(student_tok, prompts, responses):
+    from opd_exp.training.batch import Batch
+    from opd_exp.training.rollout import encode_prompts
+
+    ids, mask = encode_prompts(student_tok, prompts, 8)
+    R = max(len(r) for r in responses)
+    rows = [student_tok(r, add_special_tokens=False)["input_ids"] for r in responses]
+    eos = student_tok.eos_token_id
+    resp = torch.full((len(rows), R + 1), student_tok.pad_token_id, dtype=torch.long)
+    lengths = []
+    for i, (r, text) in enumerate(zip(rows, responses)):
+        ended = not text.endswith("~")  # '~': a row cut at the length cap (no end of turn)
+        r = r if ended else student_tok(text[:-1], add_special_tokens=False)["input_ids"]
+        full = r + ([eos] if ended else [])
+        resp[i, : len(full)] = torch.tensor(full)
+        lengths.append(len(full))
+    return Batch.from_responses(ids, mask, resp, [eos], lengths=torch.tensor(lengths))
+
+
+def _canonical_logprob(model, tok, prompt, text, ended):
+    """log T_canon: the teacher's own tokens of the text (then its end), one unpadded sequence."""
+    p = tok(prompt, add_special_tokens=False)["input_ids"]
+    r = tok(text, add_special_tokens=False)["input_ids"] + ([tok.convert_tokens_to_ids("<|im_end|>")] if ended else [])
+    ids = torch.tensor([p + r])
+    with torch.no_grad():
+        z = model(input_ids=ids).logits[0, len(p) - 1 : -1, : len(tok)].float()
+    return float(z.log_softmax(-1).gather(-1, torch.tensor(r)[:, None]).sum()), r
+
+
+@pytest.mark.parametrize("placement", ["sequence", "chunk"])
+def test_other_tokenizer_payload_is_the_canonical_teacher_logprob(tiny_dir, other_teacher, placement):
+    from transformers import AutoTokenizer
+
+    from opd_exp.training.teacher_align import ByteAlignedTeacher
+
+    s_tok = AutoTokenizer.from_pretrained(tiny_dir / "tokenizer")
+    t_tok, t_model = other_teacher
+    prompts = ["3+4=", "9+1=", "5+6=", "1+2="]
+    texts = ["7890", "12+1;", "", "3456 10~"]  # the last row is cut (no end of turn)
+    batch = _batch(s_tok, prompts, texts)
+    scorer = ByteAlignedTeacher(t_model, s_tok, t_tok, temperature=1.0, device="cpu", placement=placement)
+    t = scorer.score(batch).sampled_logprobs
+    m = batch.response_mask
+    for i, (prompt, text) in enumerate(zip(prompts, texts)):
+        ended = not text.endswith("~")
+        want, _ = _canonical_logprob(t_model, t_tok, prompt, text.rstrip("~"), ended)
+        n = int(m[i].sum())
+        assert float(t[i, :n].double().sum()) == pytest.approx(want, rel=1e-5, abs=1e-5)  # the costs sum to log S - log T_canon
+        if placement == "sequence":
+            assert torch.all(t[i, : n - 1] == 0) and t[i, n - 1] != 0
+        assert torch.all(t[i, n:] == 0)
+    # "7890" + end: student 7|8|9|0|<eos>, teacher 78|90|<|im_end|>: chunks (7,8) (9,0) (<eos>)
+    _, rows = scorer.teacher_rows(batch)
+    assert [(c.student, c.teacher) for c in rows[0][1]] == [((0, 2), (0, 1)), ((2, 4), (1, 2)), ((4, 5), (2, 3))]
+    metrics = scorer.metrics()
+    assert 1.0 < metrics["align/chunk_tokens_mean"] < 2.0 and 0.0 < metrics["align/one_to_one_rate"] < 1.0
+    assert scorer.metrics() == {}  # per step: reset after reading
+
+
+def test_other_tokenizer_trains_through_the_trainer(tiny_dir, other_teacher, tmp_path):
+    t_tok, t_model = other_teacher
+    pair = _pair(tiny_dir, teacher_tokenizer=t_tok)
+    pair.teacher = t_model
+    rows = _run(tmp_path, pair, align="bytes")
+    assert len(rows) == 3
+    for r in rows:
+        assert r["loss"] == r["loss"] and r["align/chunk_tokens_mean"] >= 1.0 and 0.0 <= r["align/one_to_one_rate"] <= 1.0
+
+
+@pytest.mark.parametrize(
+    "groups,message",
+    [
+        (dict(estimator=dict(name="full")), "estimator.name='full' is not allowed; allowed: sampled with teacher.align=bytes"),
+        (dict(divergence=dict(name="jsd")), "divergence.name='jsd' is not allowed; allowed: rkl with teacher.align=bytes"),
+        (dict(loss=dict(name="reinforce", credit="token")), "loss.credit='token' is not allowed; allowed: loss.credit=sequence"),
+        (dict(loss=dict(name="reinforce", credit="sequence", gamma=0.9)), "loss.gamma=0.9 is not allowed"),
+        (dict(estimator=dict(name="sampled", baseline="exact")), "estimator.baseline='exact' is not allowed; allowed: none"),
+        (dict(teacher=dict(align="bytes", name="ema")), "teacher.name='ema' is not allowed; allowed: in_process"),
+        (
+            dict(teacher=dict(align="bytes", align_placement="token")),
+            "teacher.align_placement='token' is not allowed; allowed: sequence | chunk",
+        ),
+        (dict(teacher=dict(align="chars")), "teacher.align='chars' is not allowed; allowed: none | bytes"),
+    ],
+)
+def test_what_it_cannot_feed_is_refused_in_one_line(groups, message):
+    merged = {**EXACT_GROUPS, "teacher": dict(align="bytes")}
+    for k, v in groups.items():
+        merged[k] = {**merged.get(k, {}), **v}
+    with pytest.raises(ConfigError) as e:
+        small_config(**merged)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_token_credit_named_on_purpose_is_allowed():
+    cfg = small_config(
+        **{**EXACT_GROUPS, "loss": dict(name="reinforce", credit="token"), "teacher": dict(align="bytes", align_biased=True)}
+    )
+    assert cfg.teacher.align_biased
+
+
+def test_chunk_placement_with_another_tokenizer_and_unmappable_ends_are_refused(tiny_dir, other_teacher, tmp_path):
+    t_tok, t_model = other_teacher
+    pair = _pair(tiny_dir, teacher_tokenizer=t_tok)
+    pair.teacher = t_model
+    with pytest.raises(ConfigError, match="teacher.align_placement='chunk' is not allowed with a teacher whose tokenizer"):
+        _run(tmp_path / "a", pair, align="bytes", align_placement="chunk")
+    from transformers import AutoTokenizer
+
+    from opd_exp.training.teacher_align import ByteAlignedTeacher
+
+    s_tok = AutoTokenizer.from_pretrained(tiny_dir / "tokenizer")
+    no_end = AutoTokenizer.from_pretrained(tiny_dir / "tokenizer")
+    no_end.eos_token = None
+    with pytest.raises(ConfigError, match="end cannot be mapped"):
+        ByteAlignedTeacher(t_model, s_tok, no_end, temperature=1.0, device="cpu")
