@@ -71,6 +71,7 @@ class PreemptionGuard:
     def __init__(self, signals=PREEMPT_SIGNALS):
         self.signals = tuple(signals)
         self.signum: int | None = None
+        self.exit_code: int | None = None  # EXIT_PREEMPTED once the loop stopped for it (the W&B run ends with it)
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum, frame) -> None:

@@ -132,26 +132,46 @@ class MultiSink(Sink):
         for s in self.sinks:
             s.config(values)
 
-    def close(self):
+    def close(self, exit_code: int | None = None):
+        """``exit_code``: the process's coming exit code (75 after a preemption), for the sinks
+        that record one (``takes_exit_code``: W&B)."""
         for s in self.sinks:
-            s.close()
+            if exit_code is not None and getattr(s, "takes_exit_code", False):
+                s.close(exit_code=exit_code)
+            else:
+                s.close()
+
+
+# the per-step estimate the progress bar shows a trained divergence by (others: their exact/<name> when logged)
+PROGRESS_OWN = {"rkl": "kl/reverse", "fkl": "kl/forward", "jsd": "jsd/mean"}
 
 
 class Progress:
-    """Console progress: a tqdm bar with ETA and the key metrics (or nothing if disabled)."""
+    """Console progress: a tqdm bar with ETA and the key metrics (or nothing if disabled): the
+    trained divergence's per-step estimate under its name (``fkl=`` for an fkl run), ``jsd/mean``
+    (every run's common axis), the loss under its form's name (``loss[ppo]=``: PPO's clipped
+    surrogate is not a divergence) and the last eval accuracy. ``start`` restarts the clock
+    after the step-0 eval: step 1's rate and the ETA count training steps only."""
 
-    KEYS = (("loss", "loss"), ("kl/reverse", "rkl"), ("jsd/mean", "jsd"), ("eval/accuracy", "acc"))
-
-    def __init__(self, total: int, initial: int = 0, enabled: bool = True):
+    def __init__(self, total: int, initial: int = 0, enabled: bool = True, *, divergence: str = "rkl", loss: str = "direct"):
         self.bar = None
         self.shown: dict[str, str] = {}
+        own = PROGRESS_OWN.get(divergence, f"exact/{divergence}")
+        keys = [(own, divergence)] + [("jsd/mean", "jsd")] * (own != "jsd/mean")
+        self.keys = (*keys, ("loss", f"loss[{loss}]"), ("eval/accuracy", "acc"))
         if enabled:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total, initial=initial, desc="opd-train", dynamic_ncols=True, file=sys.stderr)
 
+    def start(self) -> None:
+        """The clock from now (after the step-0 eval): the rate and the ETA leave the eval out."""
+        if self.bar is not None:
+            self.bar.start_t = self.bar.last_print_t = self.bar._time()
+            self.bar.last_print_n = self.bar.n
+
     def update(self, metrics: Mapping[str, Any], n: int = 1) -> None:
-        for key, short in self.KEYS:
+        for key, short in self.keys:
             v = metrics.get(key)
             if isinstance(v, (int, float)):
                 self.shown[short] = f"{v:.3g}"

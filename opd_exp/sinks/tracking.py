@@ -403,10 +403,12 @@ class WandbSink(Sink):
     The run lives in ``<run_dir>/wandb/``; its id is kept in ``<run_dir>/wandb_id.txt`` so a
     resumed run continues the same W&B run. Every metric is charted against ``step`` (the
     training step, logged with each row), so a resumed run's rows are never dropped. Closing
-    while an exception propagates finishes the run as failed (exit code 1).
+    while an exception propagates finishes the run as failed (exit code 1); a preempted run ends with
+    exit code 75.
     """
 
     is_wandb = True
+    takes_exit_code = True  # MultiSink.close passes a preempted run's 75
 
     def __init__(
         self,
@@ -502,9 +504,11 @@ class WandbSink(Sink):
         for k, v in _clean(values).items():  # a tracked key keeps its best/last values: its final one
             self._run.summary[f"final/{k}" if k in self._tracked else k] = v  # goes to final/<key>
 
-    def close(self):
+    def close(self, exit_code: int | None = None):
+        """Finish the W&B run: exit code 1 while an exception propagates, else ``exit_code``
+        (75: preempted, saved, to be resumed; W&B shows the run with that code), else 0."""
         if self._run is None:
             return
         failed = sys.exc_info()[0] is not None  # called from a `finally` during an exception
         run, self._run = self._run, None
-        run.finish(exit_code=1 if failed else 0)
+        run.finish(exit_code=1 if failed else exit_code or 0)
