@@ -37,19 +37,10 @@ from typing import Any
 import torch
 
 from opd_exp.config.schema import TrainConfig
+from opd_exp.metric_names import PPO_METRICS as PPO_METRICS  # the names PPO logs, owned there
 from opd_exp.training.monitors import Tally
 from opd_exp.training.objective import loss_normalizer
 from opd_exp.training.rollout import Batch
-
-PPO_METRICS = (
-    "ppo/clip_frac",
-    "ppo/approx_kl",
-    "ppo/ratio_mean",
-    "ppo/ratio_max",
-    "ppo/ratio_min",
-    "ppo/skipped_updates",
-    "ppo/filtered_out_frac",
-)
 
 
 def select_rows(batch: Batch, rows: torch.Tensor) -> Batch:
