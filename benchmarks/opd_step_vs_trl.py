@@ -29,7 +29,6 @@ step of this kind can skip, so no implementation's ratio can fall below floor/tr
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import resource
@@ -45,12 +44,10 @@ FORCED = ("trl", "opd-lean", "opd-quiet", "floor")  # every response exactly --l
 
 
 def _tokenizer_dir() -> Path:
-    from opd_exp.pairs.embedded.cache import cache_root
+    """The embedded tokenizer (V=259), from the cache or the package on first use."""
+    from opd_exp.pairs.embedded.prepare import embedded_tokenizer_dir
 
-    found = sorted(glob.glob(str(cache_root() / "embedded-tokenizer-*")))
-    if not found:
-        sys.exit("no embedded tokenizer in the cache: run `opd-prepare` once (or `opd-train trainer.max_steps=0`)")
-    return Path(found[-1])
+    return Path(embedded_tokenizer_dir())
 
 
 def build_pair(root: Path) -> None:

@@ -21,7 +21,14 @@ from pathlib import Path
 
 RUNS: dict[str, list[str]] = {
     "default": [],
-    "ppo_jsd_sequence": ["estimator=sampled", "loss=ppo", "divergence=jsd", "divergence.beta=0.3", "loss.credit=sequence", "loss.gamma=0.9"],
+    "ppo_jsd_sequence": [
+        "estimator=sampled",
+        "loss=ppo",
+        "divergence=jsd",
+        "divergence.beta=0.3",
+        "loss.credit=sequence",
+        "loss.gamma=0.9",
+    ],
     "on_policy_half": ["rollout.on_policy_fraction=0.5", "divergence=rkl"],
     "ppo_epochs": ["estimator=sampled", "loss=ppo", "loss.ppo_epochs=2", "loss.ppo_mini_batches=2"],
     "reward": ["reward.coef=0.5", "rollout.n_samples=2"],

@@ -12,7 +12,9 @@ from helpers.tiny import AddTask, small_config
 from opd_exp.metric_names import EVAL, FAMILIES, METRICS, STEP, declared
 
 ROOT = Path(opd_exp.__file__).resolve().parent
-GROUPS = "jsd|kl|exact|advantages|student|teacher|overlap|rollout|response|perf|grad|guard|ppo|estimator|positions|cost|reward|eval|self|align"
+GROUPS = (
+    "jsd|kl|exact|advantages|student|teacher|overlap|rollout|response|perf|grad|guard|ppo|estimator|positions|cost|reward|eval|self|align"
+)
 LITERAL = re.compile(rf'"((?:{GROUPS})/[a-z_@0-9/]+)"')
 
 
@@ -31,7 +33,10 @@ def test_every_logged_key_is_declared(tiny_pair, tmp_path):
     from opd_exp.training.trainer import Trainer
 
     cfg = small_config(
-        estimator={"name": "sampled", "baseline": "exact"}, loss={"name": "ppo", "ppo_epochs": 2}, trainer={"max_steps": 2}, eval={"every": 1}
+        estimator={"name": "sampled", "baseline": "exact"},
+        loss={"name": "ppo", "ppo_epochs": 2},
+        trainer={"max_steps": 2},
+        eval={"every": 1},
     )
     Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask()).run()
     keys = {k for line in (tmp_path / "metrics.jsonl").read_text().splitlines() for k in json.loads(line)} - {"step"}

@@ -93,7 +93,13 @@ def _tables(seed: int):
     return theta, table_t
 
 
-CASES = [("sampled", "reinforce", "rkl"), ("sampled", "reinforce", "jsd"), ("sampled", "ppo", "fkl"), ("full", "direct", "rkl"), ("full", "direct", "jsd")]
+CASES = [
+    ("sampled", "reinforce", "rkl"),
+    ("sampled", "reinforce", "jsd"),
+    ("sampled", "ppo", "fkl"),
+    ("full", "direct", "rkl"),
+    ("full", "direct", "jsd"),
+]
 
 
 @pytest.mark.parametrize(("estimator", "loss", "div"), CASES)

@@ -22,7 +22,13 @@ def test_nested_phases_count_once_in_the_innermost(monkeypatch):
     with clock("sync"):
         pass
     out = clock.take(sampled=8, scored=8, trained=6)
-    assert (out["perf/train_s"], out["perf/teacher_s"], out["perf/sync_s"], out["perf/generate_s"], out["perf/wait_s"]) == (5.0, 2.0, 0.5, 0.0, 0.0)
+    assert (out["perf/train_s"], out["perf/teacher_s"], out["perf/sync_s"], out["perf/generate_s"], out["perf/wait_s"]) == (
+        5.0,
+        2.0,
+        0.5,
+        0.0,
+        0.0,
+    )
     assert out["perf/teacher_tokens_per_s"] == 4.0 and out["perf/train_tokens_per_s"] == 1.2 and out["perf/generate_tokens_per_s"] == 0.0
     assert out["perf/peak_memory_gib"] > 0
     assert clock.take(sampled=1, scored=1, trained=1)["perf/train_s"] == 0.0  # take starts the next step afresh

@@ -45,7 +45,7 @@ def _rows(tmp_path: Path) -> list[dict]:
 
 
 def test_check_estimator_passes_ours_and_fails_a_biased_one():
-    from opd_exp.training.estimators import EstimatorCheckError, check_estimator
+    from opd_exp.training.estimator_check import EstimatorCheckError, check_estimator
 
     for est, loss in (("sampled", "reinforce"), ("sampled", "ppo"), ("full", "direct"), ("topk", "reinforce"), ("topk_union", "direct")):
         for div in ("rkl", "fkl", "jsd", "tvd"):
@@ -100,3 +100,25 @@ def test_debug_and_local_are_optional_groups():
     cfg = compose_config("debug=fdr")
     assert (cfg.trainer.max_steps, cfg.eval.every, cfg.eval.size, cfg.logger.name.value) == (1, 0, 8, "none")
     assert compose_config().trainer.max_steps != 1  # without it nothing changes (no conf/local/default.yaml in the checkout)
+
+
+@pytest.mark.slow
+def test_a_plugin_rollout_engine_trains_from_one_file_and_samples_the_trained_student(tmp_path):
+    """The example engine samples a copy of the student synced before every step: the same draws as
+    the lean engine over the live module, so every metric of a 3-step run equals that run's (it fails
+    when ``sync`` is left out: from step 2 the copy would sample the step-0 weights)."""
+    plugin = str(EXAMPLES / "my_rollout_engine.py")
+    runs = {}
+    for engine in ("lean_copy", "lean"):
+        (tmp_path / engine).mkdir()
+        res = _train(tmp_path / engine, plugin, f"rollout.engine={engine}", "trainer.max_steps=3", "eval.every=0")
+        assert res.returncode == 0, res.stderr[-3000:]
+        runs[engine] = _rows(tmp_path / engine)
+    copy_rows, lean_rows = runs["lean_copy"], runs["lean"]
+    assert [r["step"] for r in copy_rows] == [r["step"] for r in lean_rows] and len(copy_rows) >= 3
+    for a, b in zip(copy_rows, lean_rows):
+        for key in ("loss", "kl/reverse", "jsd/mean", "response/length_mean"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), (a["step"], key)
+        if "rollout/logprob_gap" in a:
+            assert a["rollout/logprob_gap"] < 1e-5

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -523,3 +524,67 @@ def test_trainer_steps_log_the_positions_metrics(tiny_pair, tmp_path, name):
         assert 0.3 <= m["positions/weight_mean"] <= 1.0
     else:
         assert m["positions/weight_mean"] == 1.0 and 0.0 <= m["positions/gate_rate"] <= 1.0
+
+
+PLUGIN_RULE = r'''
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from helpers.tiny import small_config
+from opd_exp.training.objective import Objective
+from opd_exp.training.positions import PositionRule, register_position_rule
+
+@register_position_rule
+class SecondHalf(PositionRule):
+    """Each row's response tokens from the middle on, weight 2."""
+    name, keys, float_weights = "second_half", (), True
+
+    def counted(self, mask):
+        m = mask.bool()
+        index = torch.cumsum(m.long(), -1) - 1
+        return m & (2 * index >= m.sum(-1, keepdim=True))
+
+    def terms(self, per_token, counted, **kw):
+        return 2 * per_token, {"positions/weight_mean": 2.0 * counted.to(kw["s"].dtype)}
+
+g = torch.Generator().manual_seed(5)
+zs = torch.randn(2, 4, 6, generator=g, dtype=torch.float64).requires_grad_(True)
+zt = torch.randn(2, 4, 6, generator=g, dtype=torch.float64)
+y = torch.randint(0, 6, (2, 4), generator=g)
+mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]], dtype=torch.bool)
+cfg = small_config(positions={"name": "second_half"}, estimator={"name": "full"}, loss={"name": "direct"}, divergence={"name": "rkl"})
+out = Objective(cfg)(zs, zt, y, mask, on_policy=True, normalizer=6)
+lp, lq = zs.log_softmax(-1), zt.log_softmax(-1)
+d = (lp.exp() * (lp - lq)).sum(-1)
+want = 2 * (d[0, 2] + d[0, 3] + d[1, 1]) / 6
+print(float(out.loss), float(want), out.sums["positions/weight_mean"])
+'''
+
+
+def test_a_registered_position_rule_is_a_positions_option_and_trains_exactly(tmp_path):
+    """A rule registered from one file becomes positions.name=<name> and its loss is its own counted,
+    weighted sum (rkl, full vocabulary, by hand), through the same objective as the built-ins."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "rule.py"
+    script.write_text(PLUGIN_RULE)
+    res = subprocess.run([sys.executable, str(script), str(Path(__file__).parent)], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    got, want, weight_sum = map(float, res.stdout.split())
+    assert got == pytest.approx(want, rel=1e-12) and weight_sum == 6.0
+
+
+def test_every_built_in_option_is_a_registered_rule_with_its_keys():
+    from opd_exp.config.positions import FLOAT_WEIGHTS, OPTION_KEYS
+    from opd_exp.training.positions import POSITION_RULES, PositionRule, register_position_rule
+
+    assert set(POSITION_RULES) >= {p.value for p in PositionsName}
+    for name, rule in POSITION_RULES.items():
+        assert OPTION_KEYS[name] == rule.keys and (name in FLOAT_WEIGHTS) == rule.float_weights
+
+    class Typo(PositionRule):
+        name, keys = "typo_rule", ("fractoin",)
+
+    with pytest.raises(ValueError, match=r"register_position_rule: Typo reads fractoin, which the config cannot set; allowed: "):
+        register_position_rule(Typo)
+    assert "typo_rule" not in POSITION_RULES

@@ -94,6 +94,8 @@ def test_the_fused_head_on_auto_is_picked_for_several_updates_too():
         return SimpleNamespace(
             scale=SimpleNamespace(fused_lm_head=SimpleNamespace(value="auto"), parallel=SimpleNamespace(value="none"), lora_rank=0),
             loss=SimpleNamespace(ppo_updates=updates),
+            teacher=SimpleNamespace(served=False, align="none"),
+            teachers=SimpleNamespace(active=False),
         )
 
     # a model the fused path supports, at a vocabulary where auto would pick it

@@ -74,7 +74,8 @@ def check_plugin_divergence(name: str, params: dict) -> None:
 def check_plugin_estimator(cfg) -> None:
     """Run ``check_estimator`` on a registered estimator that is not one of ours, at the run's
     divergence and loss; refuse it in one line when its expected gradient is not the divergence's."""
-    from opd_exp.training.estimators import EstimatorCheckError, check_estimator, get_estimator
+    from opd_exp.training.estimator_check import EstimatorCheckError, check_estimator
+    from opd_exp.training.estimators import get_estimator
 
     est = get_estimator(cfg.estimator.name.value)
     cls = type(est)

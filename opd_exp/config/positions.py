@@ -26,16 +26,15 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from opd_exp.config.choices import RegistryChoice
 from opd_exp.runtime.errors import ConfigError
 
-
-class PositionsName(Enum):
-    all = "all"  # every response token counts, weight 1
-    first = "first"  # each response's first ceil(fraction * length) tokens
-    last = "last"  # each response's last ceil(fraction * length) tokens
-    first_n = "first_n"  # early-stopped rollouts: the first `tokens` response tokens are all there is
-    iw_opd = "iw_opd"  # IW-OPD weights from the accumulated teacher-student log-ratio
-    entropy_gate = "entropy_gate"  # forward KL where the teacher's entropy exceeds `threshold`
+# positions.name, a registry (training/positions.py; register_position_rule adds one). Built in:
+# all (every response token, weight 1) | first / last (each response's first / last
+# ceil(fraction * length) tokens) | first_n (early-stopped rollouts: the first `tokens` response
+# tokens are all there is) | iw_opd (IW-OPD weights from the accumulated teacher-student log-ratio)
+# | entropy_gate (forward KL where the teacher's entropy exceeds `threshold`)
+PositionsName = RegistryChoice("PositionsName", [(n, n) for n in ("all", "first", "last", "first_n", "iw_opd", "entropy_gate")])
 
 
 class GateMode(Enum):
@@ -43,15 +42,18 @@ class GateMode(Enum):
     replace = "replace"  # forward KL at gated positions, the run's divergence elsewhere
 
 
-# the fields each option reads (W&B logs only these; the others are another option's)
-OPTION_KEYS: dict[PositionsName, tuple[str, ...]] = {
-    PositionsName.all: (),
-    PositionsName.first: ("fraction",),
-    PositionsName.last: ("fraction",),
-    PositionsName.first_n: ("tokens",),
-    PositionsName.iw_opd: ("gamma",),
-    PositionsName.entropy_gate: ("threshold", "gate"),
+# the fields each option reads (W&B logs only these; the others are another option's), and the
+# options whose weights are not 0/1 or that add a term (later PPO updates cannot carry them); a
+# registered rule adds its own (training/positions.py, register_position_rule)
+OPTION_KEYS: dict[str, tuple[str, ...]] = {
+    "all": (),
+    "first": ("fraction",),
+    "last": ("fraction",),
+    "first_n": ("tokens",),
+    "iw_opd": ("gamma",),
+    "entropy_gate": ("threshold", "gate"),
 }
+FLOAT_WEIGHTS: set[str] = {"iw_opd", "entropy_gate"}
 
 
 def _fail(key: str, value: Any, allowed: str) -> None:
@@ -66,7 +68,7 @@ def _finite(x: Any) -> bool:
 class PositionsConfig:
     """Position weighting of the per-token loss (conf/positions/*; docs/training.md)."""
 
-    # all | first | last | first_n | iw_opd | entropy_gate
+    # all | first | last | first_n | iw_opd | entropy_gate | a registered rule (docs/extending.md)
     name: PositionsName = PositionsName.all
     # first/last: the share of each response's tokens that count, ceil(fraction * length), in (0, 1]
     fraction: float = 0.3
@@ -92,17 +94,17 @@ class PositionsConfig:
     @property
     def weighted(self) -> bool:
         """The loss is not the plain sum over every token (``positions/weight_mean`` is logged)."""
-        return self.name is not PositionsName.all
+        return self.name.value != "all"
 
     @property
     def float_weights(self) -> bool:
         """Weights other than 0/1 per position (iw_opd), or a second loss term (entropy_gate)."""
-        return self.name in (PositionsName.iw_opd, PositionsName.entropy_gate)
+        return self.name.value in FLOAT_WEIGHTS
 
 
 def chosen_positions(group: Mapping[str, Any]) -> dict[str, Any]:
     """A plain ``positions`` group (a logged config) with only ``name`` and the keys its option reads."""
-    keys = next((k for p, k in OPTION_KEYS.items() if p.value == group.get("name")), None)
+    keys = OPTION_KEYS.get(group.get("name"))
     return dict(group) if keys is None else {k: v for k, v in group.items() if k == "name" or k in keys}
 
 
@@ -118,7 +120,7 @@ def validate_positions(cfg) -> None:
             f"1 with positions={name} (later PPO updates reuse the scoring pass's advantages and never see the teacher "
             "again, so they cannot carry its weights or forward-KL term); allowed: positions=all, first, last or first_n",
         )
-    if pos.name is PositionsName.entropy_gate and ro.filtered:
+    if name == "entropy_gate" and ro.filtered:
         key, value = ("rollout.top_k", ro.top_k) if ro.top_k > 0 else ("rollout.top_p", ro.top_p)
         _fail(
             key,

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 from opd_exp.config.checks import check as _check
+from opd_exp.config.checks import fail as _fail
 from opd_exp.config.checks import finite as _finite
+from opd_exp.config.choices import RegistryChoice
 
-
-class RolloutEngine(Enum):
-    auto = "auto"  # lean, except with scale.parallel=fsdp (hf: sharded forwards need generate's synced_gpus)
-    hf = "hf"  # transformers generate on the training copy of the model
-    lean = "lean"  # our own KV-cache decode loop on the training copy (Gumbel-max draws; no generate)
-    vllm = "vllm"  # a vLLM engine (optional extra), weights synced after every update
+# rollout.engine, a registry (training/engines.py; register_rollout_engine adds one). Built in:
+# auto (lean, except with scale.parallel=fsdp: hf, sharded forwards need generate's synced_gpus) |
+# hf (transformers generate on the training copy) | lean (our KV-cache decode loop on the training
+# copy; Gumbel-max draws) | vllm (a vLLM engine, optional extra; weights synced after every update)
+RolloutEngine = RegistryChoice("RolloutEngine", [(n, n) for n in ("auto", "hf", "lean", "vllm")])
 
 
 @dataclass
@@ -66,3 +66,31 @@ class RolloutConfig:
     @property
     def filtered(self) -> bool:
         return self.top_p < 1.0 or self.top_k > 0
+
+
+def _lean_limit(parallel: str, lora: bool) -> str | None:
+    if parallel == "fsdp":
+        return "hf or vllm with scale.parallel=fsdp (sharded forwards need generate's synced_gpus)"
+    return None
+
+
+def _vllm_limit(parallel: str, lora: bool) -> str | None:
+    if parallel != "none":
+        return f"hf with scale.parallel={parallel} (the vLLM engine is single-process for now)"
+    if lora:
+        return "hf with scale.lora_rank > 0 (adapter weights are not synced into vLLM)"
+    return None
+
+
+# what an engine cannot do, from the run facts it reads (scale.parallel, LoRA on or off): why not,
+# or None; an engine registered with limits adds its own (training/engines.py)
+ENGINE_LIMITS = {"lean": _lean_limit, "vllm": _vllm_limit}
+
+
+def validate_engine(cfg) -> None:
+    """``rollout.engine``'s own limits (one line naming the engine and what is allowed)."""
+    name = cfg.rollout.engine.value
+    limit = ENGINE_LIMITS.get(name)
+    reason = limit(cfg.scale.parallel.value, bool(cfg.scale.lora_rank)) if limit else None
+    if reason:
+        _fail("rollout.engine", name, reason)

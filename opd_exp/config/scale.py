@@ -83,3 +83,31 @@ class ScaleConfig:
         dev = self.device
         ok = dev in ("auto", "cpu", "cuda", "mps") or (dev.startswith("cuda:") and dev[5:].isdigit())
         _check(ok, "scale.device", dev, "auto, cpu, cuda, cuda:N, mps")
+
+
+def fused_head_limit(cfg) -> str | None:
+    """Why the fused LM head cannot serve this run (None: it can). Its limits, stated once: one
+    process, no LoRA, one in-process teacher with this tokenizer (it reads that teacher's hidden
+    states). ``scale.fused_lm_head=on`` with a limit is refused in one line; ``auto`` skips the fused
+    head there. What a model itself allows is checked when it loads (``training/fused.py``)."""
+    sc, te = cfg.scale, cfg.teacher
+    if sc.parallel.value != "none":
+        return f"with scale.parallel={sc.parallel.value} (the fused path is single-process)"
+    if sc.lora_rank:
+        return "with scale.lora_rank > 0 (a LoRA student's backbone is wrapped)"
+    if te.served:
+        return "with teacher=served (the fused head needs the teacher's hidden states)"
+    n = len(cfg.teachers.map) if cfg.teachers.active else 1
+    if n > 1:
+        return f"with {n} teachers (teachers.map): the fused head holds one teacher"
+    if te.align == "bytes":
+        return "with teacher.align=bytes (the teacher scores its own tokens)"
+    return None
+
+
+def validate_fused_head(cfg) -> None:
+    reason = fused_head_limit(cfg)
+    if reason and cfg.scale.fused_lm_head is FusedLmHead.on:
+        from opd_exp.config.checks import fail
+
+        fail("scale.fused_lm_head", "on", f"auto or off {reason}")

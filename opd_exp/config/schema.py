@@ -23,8 +23,10 @@ from opd_exp.config.loop import LoggerName as LoggerName
 from opd_exp.config.loop import Schedule as Schedule
 from opd_exp.config.positions import PositionsConfig, validate_positions
 from opd_exp.config.reward import RewardConfig, validate_reward
-from opd_exp.config.rollout import RolloutConfig, RolloutEngine
-from opd_exp.config.scale import FusedLmHead, Parallel, ParamDtype, Precision, ScaleConfig
+from opd_exp.config.rollout import RolloutConfig, validate_engine
+from opd_exp.config.rollout import RolloutEngine as RolloutEngine
+from opd_exp.config.scale import FusedLmHead as FusedLmHead
+from opd_exp.config.scale import Parallel, ParamDtype, Precision, ScaleConfig, validate_fused_head
 from opd_exp.config.teacher import Privileged as Privileged
 from opd_exp.config.teacher import TeacherConfig, validate_teacher
 from opd_exp.config.teacher import TeacherName as TeacherName
@@ -299,18 +301,9 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         )
     if tc.parallel is not Parallel.none and tc.device == "mps":
         _fail("scale.device", "mps", f"auto, cpu, cuda with scale.parallel={tc.parallel.value} (no process group backend for mps)")
-    if tc.fused_lm_head is FusedLmHead.on and tc.parallel is not Parallel.none:
-        _fail("scale.fused_lm_head", "on", f"auto or off with scale.parallel={tc.parallel.value} (the fused path is single-process)")
-    if tc.fused_lm_head is FusedLmHead.on and tc.lora_rank:
-        _fail("scale.fused_lm_head", "on", "auto or off with scale.lora_rank > 0 (a LoRA student's backbone is wrapped)")
-    if cfg.rollout.engine is RolloutEngine.lean and tc.parallel is Parallel.fsdp:
-        _fail("rollout.engine", "lean", "hf or vllm with scale.parallel=fsdp (sharded forwards need generate's synced_gpus)")
+    validate_fused_head(cfg)
+    validate_engine(cfg)
     validate_teacher(cfg)
-    if cfg.rollout.engine is RolloutEngine.vllm:
-        if tc.parallel is not Parallel.none:
-            _fail("rollout.engine", "vllm", f"hf with scale.parallel={tc.parallel.value} (the vLLM engine is single-process for now)")
-        if tc.lora_rank:
-            _fail("rollout.engine", "vllm", "hf with scale.lora_rank > 0 (adapter weights are not synced into vLLM)")
     return cfg
 
 

@@ -174,8 +174,6 @@ def validate_teacher(cfg) -> None:
             "1.0 with teacher=served (a server returns log-probs of the untempered logits; those of tempered logits cannot be "
             "recovered from its top-k), or teacher=in_process",
         )
-    if cfg.scale.fused_lm_head.value == "on":
-        _fail("scale.fused_lm_head", "on", "auto or off with teacher=served (the fused head needs the teacher's hidden states)")
     k = te.k if te.k is not None else cfg.estimator.k
     if cfg.estimator.name.value in ("topk", "topk_renorm", "topk_generalized_kl") and cfg.estimator.k > k:
         _fail("estimator.k", cfg.estimator.k, f"at most teacher.k={k} with teacher=served (the server sends its top-{k})")
@@ -184,14 +182,12 @@ def validate_teacher(cfg) -> None:
 def validate_align(cfg) -> None:
     """What ``teacher.align=bytes`` can feed: the sampled-only chunk payload, proven for reverse KL
     with sequence credit (divergences/chunks.py); one line for anything else."""
-    from opd_exp.config.schema import Baseline, EstimatorName, FusedLmHead
-
     te, why = cfg.teacher, "with teacher.align=bytes"
     if te.name.value != "in_process":
         _fail("teacher.name", te.name.value, f"in_process {why} (a served, routed or student-made teacher scores the student's tokens)")
     if cfg.teachers.active:
         _fail("teachers.map", "(set)", f"none {why} (one in-process teacher)")
-    if cfg.estimator.name is not EstimatorName.sampled:
+    if cfg.estimator.name.value != "sampled":
         _fail(
             "estimator.name",
             cfg.estimator.name.value,
@@ -203,7 +199,7 @@ def validate_align(cfg) -> None:
             cfg.divergence.name.value,
             f"rkl {why} (only reverse KL's sequence log-ratio is a sum of chunk log-ratios; docs/training.md)",
         )
-    if cfg.estimator.baseline is not Baseline.none:
+    if cfg.estimator.baseline.value != "none":
         _fail(
             "estimator.baseline",
             cfg.estimator.baseline.value,
@@ -227,5 +223,3 @@ def validate_align(cfg) -> None:
         _fail(key, value, f"rollout.top_k=0 and rollout.top_p=1.0 {why} (the filtered-mass term needs the teacher's distribution)")
     if te.privileged is not Privileged.none:
         _fail("teacher.privileged", te.privileged.value, f"none {why}")
-    if cfg.scale.fused_lm_head is FusedLmHead.on:
-        _fail("scale.fused_lm_head", "on", f"auto or off {why}")

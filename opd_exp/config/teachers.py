@@ -159,15 +159,13 @@ def validate_teachers(cfg) -> None:
     if served and cfg.teacher.url is not None:
         _fail("teacher.url", cfg.teacher.url, "null with teachers.map (each teacher's server is teachers.map.<name>.url)")
     if n > 1:
-        ro, sc = cfg.rollout, cfg.scale
+        ro = cfg.rollout
         if ro.on_policy_fraction < 1.0:
             _fail(
                 "rollout.on_policy_fraction",
                 ro.on_policy_fraction,
                 f"1.0 with {n} teachers (teachers.map): a teacher-sampled step would need one teacher to sample every prompt",
             )
-        if sc.fused_lm_head.value == "on":
-            _fail("scale.fused_lm_head", "on", f"auto or off with {n} teachers (teachers.map): the fused head holds one teacher")
 
 
 def pair_option(key: str, option: str) -> Path:

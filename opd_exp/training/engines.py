@@ -5,6 +5,7 @@ none of these again."""
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,15 +49,53 @@ def require_extras(cfg: TrainConfig) -> None:
         require_vllm()
 
 
-def build_student_engine(cfg: TrainConfig, student, tokenizer, vocab_size: int, *, autocast, synced_gpus: bool, warn) -> RolloutEngine:
-    """``rollout.engine``: ``hf`` samples the live module in-process with ``generate``; ``lean``
-    (and ``auto``) with our own KV-cache decode loop; ``vllm`` a vLLM engine that receives the
-    student's weights after every update."""
-    if cfg.rollout.engine.value == "vllm":
-        from opd_exp.training.rollout_vllm import VllmRollout
+# rollout.engine -> builder(cfg, student, tokenizer, vocab_size, *, autocast, synced_gpus, warn) -> RolloutEngine
+ROLLOUT_ENGINES: dict[str, Callable[..., RolloutEngine]] = {}
 
-        return VllmRollout.from_config(cfg, student, tokenizer, vocab_size, warn=warn)
+
+def register_rollout_engine(name: str, builder: Callable[..., RolloutEngine] | None = None, *, limits=None):
+    """Register the student's rollout engine ``rollout.engine=<name>`` (usable as a decorator): a
+    builder ``(cfg, student, tokenizer, vocab_size, *, autocast, synced_gpus, warn)`` returning a
+    ``RolloutEngine`` (``generate`` a ``Batch``; ``sync`` before every on-policy step). The sampled
+    distribution must be the trained one: ``rollout/logprob_gap`` says when it is not.
+    ``limits(parallel, lora) -> str | None``: what the engine cannot run with, checked with the config."""
+
+    def add(fn):
+        from opd_exp.config.rollout import ENGINE_LIMITS
+        from opd_exp.config.rollout import RolloutEngine as EngineName
+
+        if not name.isidentifier():
+            raise ValueError(f"register_rollout_engine: {name!r} is not an identifier (it becomes rollout.engine={name})")
+        ROLLOUT_ENGINES[name] = fn
+        if limits is not None:
+            ENGINE_LIMITS[name] = limits
+        EngineName._add(name)
+        return fn
+
+    return add if builder is None else add(builder)
+
+
+def build_student_engine(cfg: TrainConfig, student, tokenizer, vocab_size: int, *, autocast, synced_gpus: bool, warn) -> RolloutEngine:
+    """``rollout.engine``'s registered builder."""
+    build = ROLLOUT_ENGINES[cfg.rollout.engine.value]
+    return build(cfg, student, tokenizer, vocab_size, autocast=autocast, synced_gpus=synced_gpus, warn=warn)
+
+
+@register_rollout_engine("vllm")
+def _vllm(cfg, student, tokenizer, vocab_size, *, autocast, synced_gpus, warn):
+    """A vLLM engine that receives the student's weights after every update."""
+    from opd_exp.training.rollout_vllm import VllmRollout
+
+    return VllmRollout.from_config(cfg, student, tokenizer, vocab_size, warn=warn)
+
+
+def _in_process(cfg, student, tokenizer, vocab_size, *, autocast, synced_gpus, warn):
+    """``hf`` samples the live module with ``generate``; ``lean`` (and ``auto``) with our KV-cache loop."""
     return in_process_engine(cfg, student, tokenizer, vocab_size, source="student", autocast=autocast, synced_gpus=synced_gpus)
+
+
+for _name in ("auto", "hf", "lean"):
+    register_rollout_engine(_name, _in_process)
 
 
 def in_process_engine(

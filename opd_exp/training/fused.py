@@ -29,12 +29,14 @@ from collections.abc import Mapping
 
 import torch
 
+from opd_exp.config.scale import fused_head_limit
 from opd_exp.config.schema import TrainConfig
 from opd_exp.divergences.full import default_chunk_size
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.evaluate import ENTROPY
 from opd_exp.training.monitors import Monitors, Tally
 from opd_exp.training.objective import Objective, Output
+from opd_exp.training.ratio import Fixed, ratio_terms
 from opd_exp.training.rollout import Batch
 from opd_exp.training.sampling import SamplingSpec
 from opd_exp.training.scoring import InProcessTeacher, dropout_off, entropy, lm_head_logits, response_hidden
@@ -202,7 +204,6 @@ def fused_ratio_backward(student, batch: Batch, fixed, *, vocab_size: int, sampl
     """One PPO update's loss on a micro-batch through the fused path: log S(y) a chunk of counted
     positions at a time from the hidden states, the clipped ratio loss per chunk, its backward into
     the hidden states' gradient, then one backward through the backbone. (loss, ratio, clip active)."""
-    from opd_exp.training.heads import ratio_terms
     from opd_exp.training.scoring import token_logprobs
 
     counted = fixed.counted.bool()
@@ -308,8 +309,6 @@ class FusedHead:
 
     def behaviour(self, mbs: list[Batch], *, n_tokens: float, check_teacher):
         """PPO's scoring pass (``MaterialisedHead.behaviour``), a chunk of positions at a time."""
-        from opd_exp.training.heads import Fixed
-
         tally, fixed = Tally(), []
         for mb in mbs:
             with dropout_off(self.student):
@@ -346,7 +345,7 @@ class FusedHead:
 
 def use_fused_lm_head(cfg: TrainConfig, student, teacher, vocab_size: int) -> bool:
     """``scale.fused_lm_head``: on, off, or auto (on for real vocabularies where it is exact)."""
-    mode, tc = cfg.scale.fused_lm_head.value, cfg.scale
+    mode = cfg.scale.fused_lm_head.value
     if mode == "off":
         return False
     reason = next((f"the {who} {r}" for who, m in (("student", student), ("teacher", teacher)) if (r := unsupported_reason(m))), None)
@@ -354,7 +353,7 @@ def use_fused_lm_head(cfg: TrainConfig, student, teacher, vocab_size: int) -> bo
         if reason:
             raise ConfigError(f"scale.fused_lm_head='on' is not allowed; allowed: auto or off here ({reason})")
         return True
-    return reason is None and tc.parallel.value == "none" and not tc.lora_rank and vocab_size >= AUTO_MIN_VOCAB
+    return reason is None and fused_head_limit(cfg) is None and vocab_size >= AUTO_MIN_VOCAB
 
 
 def build_fused_head(

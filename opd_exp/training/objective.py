@@ -57,7 +57,7 @@ from opd_exp.divergences import (
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.estimators import StepInputs, get_estimator, ppo_surrogate
 from opd_exp.training.monitors import OUTSIDE, exact_divergences, metric_beta, step_monitors, token_metric_names
-from opd_exp.training.positions import PositionWeights, position_mask
+from opd_exp.training.positions import build_position_rule, position_mask
 from opd_exp.training.reward import with_reward
 from opd_exp.training.scoring import TeacherScores, token_logprobs
 
@@ -131,7 +131,7 @@ class Objective:
         tokens (None: a dense teacher, or one whose payload is rebuilt dense)."""
         self.cfg = cfg
         self.sparse = teacher_k is not None
-        self.positions = PositionWeights(cfg, sparse=self.sparse)  # which positions count, with what weight
+        self.positions = build_position_rule(cfg, sparse=self.sparse)  # which positions count, with what weight
         if self.sparse:
             check_sparse_teacher(cfg, teacher_k, int(vocab_size or 0))
         self.div = get_divergence(cfg.divergence.name.value, **cfg.divergence.params())

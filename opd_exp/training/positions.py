@@ -49,10 +49,11 @@ positions != all; ``positions/gate_rate`` the share of tokens whose gate is open
 from __future__ import annotations
 
 import dataclasses
+from typing import ClassVar
 
 import torch
 
-from opd_exp.config.positions import GateMode, PositionsName
+from opd_exp.config.positions import GateMode
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.scoring import entropy
 
@@ -94,67 +95,144 @@ def iw_opd_weights(counted: torch.Tensor, s: torch.Tensor, t: torch.Tensor, gamm
     return torch.where(c, 1.0 + gamma * (1.0 - before / total), zero)
 
 
-def training_rollout_config(cfg):
-    """The config the training rollouts sample with: ``positions=first_n`` caps
-    rollout.max_new_tokens at positions.tokens (early-stopped rollouts); ``cfg`` itself otherwise
-    (evaluation always uses ``cfg``)."""
-    pos, ro = cfg.positions, cfg.rollout
-    if pos.name is not PositionsName.first_n or pos.tokens >= ro.max_new_tokens:
-        return cfg
-    return dataclasses.replace(cfg, rollout=dataclasses.replace(ro, max_new_tokens=pos.tokens))
+class PositionRule:
+    """One ``positions`` option, registered under ``positions.name`` (``register_position_rule``):
+    which positions of each row's whole response count (``counted``), the weighted per-token loss
+    terms over them (``terms``), and its limits. The objective and the fused head call it once per
+    micro-batch and never ask which rule they have."""
 
+    name: ClassVar[str]
+    keys: ClassVar[tuple[str, ...]] = ()  # the positions.* fields it reads (W&B logs only these)
+    by_row: ClassVar[bool] = False  # its weights read a row's whole response: the fused head cuts whole rows
+    float_weights: ClassVar[bool] = False  # weights other than 0/1, or an added term (one PPO update only)
+    dense_teacher: ClassVar[bool] = False  # needs the teacher's whole distribution (not a served top-k)
 
-class PositionWeights:
-    """``positions`` built once: the counted positions of whole rows (``counted``) and the
-    per-token loss terms with their weights or gate (``terms``); see the module docstring."""
-
-    def __init__(self, cfg, *, sparse: bool = False):
-        self.cfg = cfg.positions
-        self.name = self.cfg.name
-        # a row's IW-OPD weights need its whole response: the fused head cuts such runs into whole rows
-        self.by_row = self.name is PositionsName.iw_opd
-        if sparse and self.name is PositionsName.entropy_gate:
-            raise ConfigError(
-                "positions.name='entropy_gate' is not allowed with a served teacher whose top-k misses the vocabulary "
-                "(the teacher's entropy and the forward KL need its whole distribution); allowed: teacher=in_process, "
-                "teacher.k covering the vocabulary, or positions=all, first, last, first_n or iw_opd"
-            )
-        if self.name is PositionsName.entropy_gate:
-            from opd_exp.divergences import get_divergence
-
-            self.fkl = get_divergence("fkl")
+    def __init__(self, positions_cfg):
+        self.cfg = positions_cfg
 
     def counted(self, mask: torch.Tensor) -> torch.Tensor:
         """The positions the loss may count, from each row's whole response ``mask`` [N, R]."""
-        pc = self.cfg
-        if self.name in (PositionsName.first, PositionsName.last):
-            return position_mask(mask, self.name.value, pc.fraction)
-        if self.name is PositionsName.first_n:
-            return first_n_mask(mask, pc.tokens)
         return mask.bool()
 
     def terms(
         self, per_token: torch.Tensor, counted: torch.Tensor, *, s, t, student_z, teacher_z, kl_coef: float, chunk_size=None
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The weighted per-token loss terms (summed over ``counted`` by the objective) and the
-        per-position values of ``positions/*`` (detached). all/first/last/first_n return
+        per-position values of ``positions/*`` (detached). A rule that only picks positions returns
         ``per_token`` itself: the loss is bit-identical to the plain masked sum."""
+        return per_token, ({WEIGHT_MEAN: counted.to(s.dtype)} if self.cfg.weighted else {})
+
+    def max_new_tokens(self, max_new_tokens: int) -> int:
+        """The training rollouts' length cap (evaluation always decodes to rollout.max_new_tokens)."""
+        return max_new_tokens
+
+
+POSITION_RULES: dict[str, type[PositionRule]] = {}
+
+
+def register_position_rule(cls: type[PositionRule]) -> type[PositionRule]:
+    """Register ``cls`` under ``positions.name=cls.name`` (a class decorator); its ``keys`` must be
+    fields of the ``positions`` group (``config/positions.py``)."""
+    from opd_exp.config.positions import FLOAT_WEIGHTS, OPTION_KEYS, PositionsConfig, PositionsName
+
+    if not getattr(cls, "name", "").isidentifier():
+        raise ValueError(f"register_position_rule: {cls.__name__}.name must be an identifier (it becomes positions.name)")
+    fields = {f.name for f in dataclasses.fields(PositionsConfig)} - {"name"}
+    unknown = [k for k in cls.keys if k not in fields]
+    if unknown:
+        raise ValueError(
+            f"register_position_rule: {cls.__name__} reads {', '.join(unknown)}, which the config cannot set; "
+            f"allowed: {', '.join(sorted(fields))} (keys of positions.)"
+        )
+    POSITION_RULES[cls.name] = cls
+    OPTION_KEYS[cls.name] = tuple(cls.keys)
+    if cls.float_weights:
+        FLOAT_WEIGHTS.add(cls.name)
+    PositionsName._add(cls.name)
+    return cls
+
+
+def build_position_rule(cfg, *, sparse: bool = False) -> PositionRule:
+    """``positions`` built once for a run; ``sparse``: the teacher's scores miss part of the vocabulary."""
+    rule = POSITION_RULES[cfg.positions.name.value]
+    if sparse and rule.dense_teacher:
+        raise ConfigError(
+            f"positions.name={rule.name!r} is not allowed with a served teacher whose top-k misses the vocabulary "
+            "(it needs the teacher's whole distribution); allowed: teacher=in_process, teacher.k covering the vocabulary, "
+            f"or positions={', '.join(n for n, r in POSITION_RULES.items() if not r.dense_teacher)}"
+        )
+    return rule(cfg.positions)
+
+
+def training_rollout_config(cfg):
+    """The config the training rollouts sample with: a rule that stops them early (``first_n``)
+    caps rollout.max_new_tokens; ``cfg`` itself otherwise (evaluation always uses ``cfg``)."""
+    ro = cfg.rollout
+    cap = POSITION_RULES[cfg.positions.name.value](cfg.positions).max_new_tokens(ro.max_new_tokens)
+    if cap >= ro.max_new_tokens:
+        return cfg
+    return dataclasses.replace(cfg, rollout=dataclasses.replace(ro, max_new_tokens=cap))
+
+
+@register_position_rule
+class All(PositionRule):
+    name = "all"
+
+
+@register_position_rule
+class First(PositionRule):
+    name, keys = "first", ("fraction",)
+
+    def counted(self, mask):
+        return position_mask(mask, "first", self.cfg.fraction)
+
+
+@register_position_rule
+class Last(PositionRule):
+    name, keys = "last", ("fraction",)
+
+    def counted(self, mask):
+        return position_mask(mask, "last", self.cfg.fraction)
+
+
+@register_position_rule
+class FirstN(PositionRule):
+    name, keys = "first_n", ("tokens",)
+
+    def counted(self, mask):
+        return first_n_mask(mask, self.cfg.tokens)
+
+    def max_new_tokens(self, max_new_tokens: int) -> int:
+        return min(max_new_tokens, self.cfg.tokens)
+
+
+@register_position_rule
+class IwOpd(PositionRule):
+    name, keys, by_row, float_weights = "iw_opd", ("gamma",), True, True
+
+    def terms(self, per_token, counted, *, s, t, student_z, teacher_z, kl_coef, chunk_size=None):
+        w = iw_opd_weights(counted.bool(), s.detach(), t.detach(), self.cfg.gamma)
+        return per_token * w.to(per_token.dtype), {WEIGHT_MEAN: w}
+
+
+@register_position_rule
+class EntropyGate(PositionRule):
+    name, keys, float_weights, dense_teacher = "entropy_gate", ("threshold", "gate"), True, True
+
+    def __init__(self, positions_cfg):
+        super().__init__(positions_cfg)
+        from opd_exp.divergences import get_divergence
+
+        self.fkl = get_divergence("fkl")
+
+    def terms(self, per_token, counted, *, s, t, student_z, teacher_z, kl_coef, chunk_size=None):
         c = counted.bool()
-        metrics: dict[str, torch.Tensor] = {}
-        if self.name is PositionsName.iw_opd:
-            w = iw_opd_weights(c, s.detach(), t.detach(), self.cfg.gamma)
-            metrics[WEIGHT_MEAN] = w
-            return per_token * w.to(per_token.dtype), metrics
-        if self.name is PositionsName.entropy_gate:
-            with torch.no_grad():
-                gate = c & (entropy(teacher_z) > self.cfg.threshold)
-            forward = self.fkl.full(student_z, teacher_z, mask=gate, chunk_size=chunk_size).to(per_token.dtype)
-            metrics[GATE_RATE] = gate.to(s.dtype)
-            if self.cfg.gate is GateMode.replace:
-                metrics[WEIGHT_MEAN] = (c & ~gate).to(s.dtype)
-                return torch.where(gate, kl_coef * forward, per_token), metrics
-            metrics[WEIGHT_MEAN] = c.to(s.dtype)
-            return per_token + kl_coef * forward, metrics
-        if self.cfg.weighted:
-            metrics[WEIGHT_MEAN] = c.to(s.dtype)
-        return per_token, metrics
+        with torch.no_grad():
+            gate = c & (entropy(teacher_z) > self.cfg.threshold)
+        forward = self.fkl.full(student_z, teacher_z, mask=gate, chunk_size=chunk_size).to(per_token.dtype)
+        metrics = {GATE_RATE: gate.to(s.dtype)}
+        if self.cfg.gate is GateMode.replace:
+            metrics[WEIGHT_MEAN] = (c & ~gate).to(s.dtype)
+            return torch.where(gate, kl_coef * forward, per_token), metrics
+        metrics[WEIGHT_MEAN] = c.to(s.dtype)
+        return per_token + kl_coef * forward, metrics

@@ -160,6 +160,11 @@ def _build_tokenizer(folder: Path) -> dict:
     return {"vocab": len(load_tokenizer(folder))}
 
 
+def embedded_tokenizer_dir() -> Path:
+    """The embedded tokenizer's cache folder, copied from the package (or built) on first use."""
+    return cache.get_or_build("embedded-tokenizer", tokenizer_key(), _build_tokenizer, shipped=True)
+
+
 def _sft_data(task: TaskConfig, pair: EmbeddedPairConfig) -> tuple[list, list]:
     """(eval problems, SFT problems): SFT data drawn from the pair's own seed, never touching
     the task's eval set. Multimodal draws carry one random valid answer each, so the teacher
