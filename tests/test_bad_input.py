@@ -98,17 +98,17 @@ cfg("config/unknown_task", ["task.name=mmlu"], "task.name='mmlu' is not allowed;
 
 # -- data ---------------------------------------------------------------------------------
 case("data/empty_dataset", 2, "holds no problems (empty file)")(lambda ctx: ctx.gsm8k(""))
-case("data/non_utf8_line", 2, ":3 is not UTF-8 text (byte 0xff)")(
+case("data/non_utf8_line", 2, "data.jsonl line 3 is not UTF-8 text (byte 0xff)")(
     lambda ctx: ctx.gsm8k(b"".join(MINI.read_bytes().splitlines(keepends=True)[:2]) + b'{"question": "caf\xff?", "answer": "#### 1"}\n')
 )
-case("data/invalid_json_line", 2, ":2 is not valid JSON; allowed: one JSON object per line")(
+case("data/invalid_json_line", 2, "data.jsonl line 2 is not valid JSON; allowed: one JSON object per line")(
     lambda ctx: ctx.gsm8k(MINI.read_text().splitlines()[0] + '\n{"question": \n')
 )
 case("data/answer_not_a_number", 2, "has a final answer that is not a number ('abc'); allowed: '#### <number>'")(
     lambda ctx: ctx.gsm8k('{"question": "q?", "answer": "so #### abc"}\n')
 )
-case("data/answer_without_marker", 2, "row 0 is not a GSM8K row")(lambda ctx: ctx.gsm8k('{"question": "q?", "answer": "42"}\n'))
-case("data/row_not_an_object", 2, "row 0 is a JSON list, not an object")(lambda ctx: ctx.gsm8k("[1, 2]\n"))
+case("data/answer_without_marker", 2, "data.jsonl line 1 is not a GSM8K row")(lambda ctx: ctx.gsm8k('{"question": "q?", "answer": "42"}\n'))
+case("data/row_not_an_object", 2, "data.jsonl line 1 is a JSON list, not an object")(lambda ctx: ctx.gsm8k("[1, 2]\n"))
 case("data/missing_file", 2, "does not exist")(
     lambda ctx: ctx.gsm8k("")[:-4] + ["task.path=/no/such/gsm8k.jsonl", "task.n_eval=2", "eval.size=2", "rollout.max_prompt_tokens=48"]
 )
@@ -253,11 +253,19 @@ def _failed_start(ctx):
     run = ctx.tmp / "run"
     code, _, err = run_in_process(pair_args(ctx.pair) + BASE + QUICK + ["checkpoint.every=1"], run, ctx.monkeypatch, ctx.capsys)
     assert code == 0, err
-    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file() and ".hydra" not in p.parts}
+
+    def kept(p):
+        return p.is_file() and ".hydra" not in p.parts and p.name != "train.log"
+
+    before = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if kept(p)}
+    log_before = (run / "train.log").read_text()
 
     def unchanged(run_, err_):
-        after = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if p.is_file() and ".hydra" not in p.parts}
+        after = {p.relative_to(run): p.read_bytes() for p in run.rglob("*") if kept(p)}
         assert after == before  # metrics.jsonl, summary.json and every checkpoint byte-identical
+        log = (run / "train.log").read_text()  # the run's console log gains the failed start's one line, nothing else
+        assert log.startswith(log_before) and log[len(log_before) :].endswith(f" {one_error_line(err_)}\n")
+        assert log[len(log_before) :].count("\n") == 1
 
     ctx.checks.append(unchanged)
     # checkpoint.extend: past the settings check (a new teacher path), so the start fails on the missing teacher

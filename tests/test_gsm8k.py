@@ -97,10 +97,10 @@ def test_errors_are_one_line(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"^task\.path: file '/no/such/gsm8k\.jsonl' does not exist; allowed:"):
         _task(path="/no/such/gsm8k.jsonl").train_problems()
     _write(tmp_path / "bad.jsonl", [{"question": "q?", "answer": "no marker"}])
-    with pytest.raises(ConfigError, match=r"bad\.jsonl row 0 is not a GSM8K row \(need 'question' and an 'answer' ending in '#### <n>'\)"):
+    with pytest.raises(ConfigError, match=r"bad\.jsonl line 1 is not a GSM8K row \(need 'question' and an 'answer' ending in '#### <n>'\)"):
         _task(path=str(tmp_path / "bad.jsonl"), n_eval=1).train_problems()
     (tmp_path / "broken.jsonl").write_text('{"question": 1\n')
-    with pytest.raises(ConfigError, match=r"broken\.jsonl:1 is not valid JSON"):
+    with pytest.raises(ConfigError, match=r"broken\.jsonl line 1 is not valid JSON"):
         _task(path=str(tmp_path / "broken.jsonl")).train_problems()
     _write(tmp_path / "nan.jsonl", [{"question": "q?", "answer": "x\n#### many"}] * 3)
     with pytest.raises(ConfigError, match=r"final answer that is not a number \('many'\)"):

@@ -195,3 +195,28 @@ def test_the_trainer_resumes_a_checkpoint_older_than_a_setting_at_its_default(tm
     assert session == {"session": "resume", "from_step": 2} and factor is None and lines == []
     with pytest.raises(ConfigError, match=r"other settings \(loss.ppo_epochs: None -> 3\)"):
         resume_session(cfg, tmp_path, 2, older, {**now, "loss.ppo_epochs": 3}, 1e-3, 1e-3, lines.append)
+
+
+def test_a_preempted_run_keeps_its_preemption_line_in_train_log(local_pair_dir, tmp_path, monkeypatch, capsys):
+    """opd-train's own lines reach train.log like the trainer's: the preemption line (exit 75)."""
+    import os
+    import signal
+
+    from helpers.reliability import BASE, pair_args, run_in_process
+
+    real_step = Trainer.train_step
+
+    def step_then_sigterm(self):
+        out = real_step(self)
+        if self.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # acted on at the step boundary
+        return out
+
+    monkeypatch.setattr(Trainer, "train_step", step_then_sigterm)
+    run = tmp_path / "run"
+    code, _, err = run_in_process(pair_args(local_pair_dir) + BASE + ["trainer.max_steps=6"], run, monkeypatch, capsys)
+    assert code == 75, err[-2000:]
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("opd-train: preempted:")]
+    assert line.startswith("opd-train: preempted: SIGTERM received: checkpoint at step 2 saved to ")
+    logged = [ln.split(" ", 2)[2] for ln in (run / "train.log").read_text().splitlines()]  # "<date> <time> <line>"
+    assert logged[-1] == line

@@ -109,14 +109,13 @@ def validated(cfg: DictConfig, hc) -> TrainConfig:
         raise ConfigError(f"{key}: has no value (removed with `~{key}`?); allowed: {allowed}") from None
 
 
-def build_inputs(cfg: TrainConfig) -> dict:
-    """The task and the model pair a config names (the data is read before any model loads)."""
-    from opd_exp.pairs import load_pair
-    from opd_exp.pairs.teacher_map import load_map_teacher
-    from opd_exp.runtime import distributed
+def read_task(cfg: TrainConfig):
+    """The task a config names, its data read and checked: both splits (an empty one, a bad row,
+    a question in both splits, ``eval.size`` beyond the eval split). ``opd-train`` calls it before
+    W&B starts and before any model loads: a data error leaves no W&B run behind."""
     from opd_exp.tasks import build_task
+    from opd_exp.training.evaluate import eval_problems
 
-    check_device(cfg.scale.device, int(os.environ.get("LOCAL_RANK", "0")))
     task = build_task(cfg.task)
     # A missing or damaged dataset fails here, before the models load (both splits: the
     # trainer reads the eval split too).
@@ -125,6 +124,20 @@ def build_inputs(cfg: TrainConfig) -> dict:
             raise ConfigError(
                 f"task: {cfg.task.name!r} has no {split} problems (empty dataset or split); allowed: a task with at least one"
             )
+    eval_problems(cfg, task.train_problems(), task.eval_problems())  # the trainer's own check, now
+    return task
+
+
+def build_inputs(cfg: TrainConfig, task=None) -> dict:
+    """The task and the model pair a config names (the data is read before any model loads;
+    ``task``: one ``read_task`` already gave)."""
+    from opd_exp.pairs import load_pair
+    from opd_exp.pairs.teacher_map import load_map_teacher
+    from opd_exp.runtime import distributed
+
+    check_device(cfg.scale.device, int(os.environ.get("LOCAL_RANK", "0")))
+    if task is None:
+        task = read_task(cfg)
     device = distributed.device_for(cfg.scale.device, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     pair = load_pair(cfg.model_pair, cfg.task, device)
     task.check_tokenizer(pair.tokenizer)  # e.g. a chat task on a tokenizer without a chat template

@@ -11,6 +11,21 @@ from pathlib import Path
 # (job folders) and (job number, job folder, message, exit code)
 JOBS_STARTED: list[Path] = []
 FAILED_JOBS: list[tuple[int, str, str, int]] = []
+# the run folders whose lock this process took: their train.log gets this job's console lines
+# (never the log of a folder another process holds)
+HELD: set[Path] = set()
+
+
+def log_line(run_dir: Path | str, line: str) -> None:
+    """A console line of ``opd-train`` (an error, the preemption) also in ``<run>/train.log``, as
+    the trainer's own lines are (``training.console.Console``): when this process holds the run
+    folder (``HELD``), on the main rank."""
+    import os
+
+    if Path(run_dir) in HELD and os.environ.get("RANK", "0") == "0":
+        from opd_exp.training.console import Console
+
+        Console(Path(run_dir)).log_line(line)
 
 
 def failed_summary() -> str:
@@ -29,6 +44,7 @@ def job_failed(ex: BaseException, code: int, hc) -> float:
 
     line = one_line(ex) + missing_hint(hc.runtime.output_dir)
     print(f"opd-train: error: {line}", file=sys.stderr, flush=True)
+    log_line(hc.runtime.output_dir, f"opd-train: error: {line}")
     if hc.mode != RunMode.MULTIRUN:
         sys.exit(code)
     FAILED_JOBS.append((int(hc.job.get("num", len(FAILED_JOBS))), str(hc.runtime.output_dir), line, code))

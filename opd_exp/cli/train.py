@@ -28,11 +28,12 @@ from opd_exp.cli.compose import (
     check_device,
     check_shown_config,
     dry_single_run,
+    read_task,
     to_train_config,
     validated,
 )
 from opd_exp.cli.errors import argv_problem, io_error, one_line, yaml_line
-from opd_exp.cli.jobs import FAILED_JOBS, JOBS_STARTED, failed_summary
+from opd_exp.cli.jobs import FAILED_JOBS, HELD, JOBS_STARTED, failed_summary, log_line
 from opd_exp.cli.jobs import job_failed as _job_failed
 from opd_exp.cli.record import OWN_RECORD_ENV, scrub_sweep_record, write_hydra_record
 from opd_exp.cli.searchpath import register as register_sweeps
@@ -83,6 +84,7 @@ def _job(cfg: DictConfig, hc, run_dir: Path) -> float:
     # a second job on a busy folder changes nothing in it. Under torchrun rank 0 holds it.
     lock = RunLock(run_dir) if os.environ.get("RANK", "0") == "0" else contextlib.nullcontext()
     with lock:
+        HELD.add(run_dir)  # from here on, this job's error line also goes to its train.log
         write_hydra_record(cfg, hc, run_dir)
         record_plugins(run_dir)  # a resume without them is told which to load
         if hc.mode == RunMode.MULTIRUN:
@@ -102,19 +104,21 @@ def _train(typed: TrainConfig, run_dir: Path) -> float:
         from opd_exp.training.engines import require_extras  # heavy imports only after the config is known good
         from opd_exp.training.trainer import Trainer
 
-        # the device and the extras first: a start that cannot run opens no W&B run
+        # the device, the extras and the data first: a start that cannot run opens no W&B run
         check_device(typed.scale.device, int(os.environ.get("LOCAL_RANK", "0")))
         require_extras(typed)
+        task = read_task(typed)  # every data check (a bad row, a question in both splits)
         # start W&B before the models load: a failure stops at once; under torchrun, rank 0 only
         if typed.logger.name.value == "wandb" and os.environ.get("RANK", "0") == "0":
             from opd_exp.sinks.tracking import WandbSink
 
             sinks.append(WandbSink.from_config(typed, run_dir))
-        trainer = Trainer(typed, run_dir, sinks=sinks, **build_inputs(typed))
+        trainer = Trainer(typed, run_dir, sinks=sinks, **build_inputs(typed, task))
         summary = trainer.run()
     except Preempted as ex:  # the trainer closed its sinks before raising: the W&B run is not failed
         # Exit from inside the job: in a multirun Hydra would go on to the next job.
         print(f"opd-train: preempted: {ex}", file=sys.stderr, flush=True)
+        log_line(run_dir, f"opd-train: preempted: {ex}")  # train.log holds every console line
         if getattr(ex, "previous_handler", None) is not None:
             ex.previous_handler(ex.signum, None)  # submitit's: requeues the job, then exits
         sys.exit(EXIT_PREEMPTED)
@@ -161,6 +165,7 @@ def main() -> None:
     os.environ["HYDRA_FULL_ERROR"] = "1"  # let errors reach us instead of Hydra's printer
     FAILED_JOBS.clear()
     JOBS_STARTED.clear()
+    HELD.clear()
     try:
         check_shown_config(argv[1:])  # `--cfg job` shows only a config that would run
         dry = dry_single_run(argv[1:])  # `hydra/launcher=dry` without -m: checked, never trained

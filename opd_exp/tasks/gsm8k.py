@@ -52,6 +52,12 @@ def row_to_problem(row: dict, where: str, instruction: str = "") -> Problem:
 
 def read_rows(path: Path) -> list[dict]:
     """Rows of a .jsonl, .json (a list) or .parquet file."""
+    return [row for _, row in read_located(path)]
+
+
+def read_located(path: Path) -> list[tuple[str, dict]]:
+    """Rows of a .jsonl, .json (a list) or .parquet file, each with where it is, 1-based:
+    ``line N`` in a .jsonl (blank lines count, as an editor counts them), ``row N`` otherwise."""
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -60,7 +66,7 @@ def read_rows(path: Path) -> list[dict]:
                 f"task.path: {str(path)!r} is parquet but `pyarrow` is not installed; allowed: a .jsonl file, or `pip install pyarrow`"
             ) from None
         try:
-            return pq.read_table(path).to_pylist()
+            return numbered(pq.read_table(path).to_pylist())
         except Exception as exc:  # pyarrow's ArrowInvalid / OSError for a cut or damaged file
             raise ConfigError(
                 f"task.path: {str(path)!r} is not a readable parquet file ({first_line(exc, 160)}); allowed: a complete .parquet file"
@@ -72,7 +78,7 @@ def read_rows(path: Path) -> list[dict]:
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
         raise ConfigError(
-            f"task.path: {path}:{line} is not UTF-8 text (byte {data[exc.start]:#04x}); allowed: a UTF-8 encoded file"
+            f"task.path: {path} line {line} is not UTF-8 text (byte {data[exc.start]:#04x}); allowed: a UTF-8 encoded file"
         ) from None
     if path.suffix == ".json":
         try:
@@ -84,15 +90,20 @@ def read_rows(path: Path) -> list[dict]:
                 f"task.path: {path} holds a JSON {type(data).__name__}, not a list of rows; allowed: a JSON list of objects "
                 f'([{{"question": ..., "answer": "... #### <n>"}}, ...]) or one object per line in a .jsonl file'
             )
-        return data
+        return numbered(data)
     rows = []
     for n, line in enumerate(text.splitlines(), 1):
         if line.strip():  # blank lines are skipped
             try:
-                rows.append(json.loads(line))
+                rows.append((f"line {n}", json.loads(line)))
             except ValueError:
-                raise ConfigError(f"task.path: {path}:{n} is not valid JSON; allowed: one JSON object per line") from None
+                raise ConfigError(f"task.path: {path} line {n} is not valid JSON; allowed: one JSON object per line") from None
     return rows
+
+
+def numbered(rows: list) -> list[tuple[str, dict]]:
+    """``row 1``, ``row 2``, ...: where each row of a list (a .json, a parquet table, a hub split) is."""
+    return [(f"row {i}", r) for i, r in enumerate(rows, 1)]
 
 
 def _split_files(folder: Path, split: str) -> list[Path]:
@@ -115,23 +126,45 @@ def _load_hub(cfg: TaskConfig, split: str) -> list[dict]:
         ) from None
 
 
-def check_duplicates(train: list[Problem], evals: list[Problem], where: str) -> None:
+def check_duplicates(
+    train: list[Problem], evals: list[Problem], where: str, *, places: dict[str, list[str]] | None = None, instruction: str = ""
+) -> None:
     """A question in both splits (the eval would score memorised answers) or twice in the eval
-    set (counted twice) is refused; repeats within the training split are warned about once."""
+    set (counted twice) is refused; repeats within the training split are warned about once.
+
+    ``places``: for one file split into eval and training (``task.n_eval``), where each question
+    is in it (``line 3``); a question there twice is the file's own duplicate: the fix is to
+    delete all but one of its lines, not to change the split. ``instruction``: the text appended to
+    every question (``task.instruction``), left out where a question is shown."""
     import sys
     from collections import Counter
 
     def short(prompt: str) -> str:
+        prompt = prompt.removesuffix(f"\n{instruction}") if instruction else prompt
         return repr(prompt if len(prompt) <= 60 else prompt[:57] + "...")
+
+    def one_file(question: str, landed: str) -> ConfigError:
+        at = places[question]
+        kind = at[0].split()[0]  # line or row
+        numbers = [a.split()[1] for a in at]
+        listed = f"{kind}s {', '.join(numbers[:-1])} and {numbers[-1]}"
+        return ConfigError(
+            f"task.path: {where}: the question {short(question)} is on {listed} of the file, and the file's split into eval and "
+            f"training put {landed}; allowed: each question once in the file (deduplicate it: keep one of {listed})"
+        )
 
     seen_eval = Counter(p.prompt for p in evals)
     twice = next((q for q, n in seen_eval.items() if n > 1), None)
     if twice is not None:
+        if places is not None:
+            raise one_file(twice, f"{seen_eval[twice]} copies in the eval set")
         raise ConfigError(
             f"task.path: {where}: the eval question {short(twice)} appears {seen_eval[twice]} times; allowed: each question once"
         )
     both = next((p.prompt for p in train if p.prompt in seen_eval), None)
     if both is not None:
+        if places is not None:
+            raise one_file(both, "copies in both")
         raise ConfigError(
             f"task.path: {where}: the question {short(both)} is in both the training and the eval split; allowed: disjoint splits"
         )
@@ -153,13 +186,15 @@ class GSM8KTask(Task):
         if not self.cfg.path:
             fail("task.path", self.cfg.path, ALLOWED)
 
-    def _convert(self, rows: list[dict], where: str) -> list[Problem]:
-        return [row_to_problem(r, f"{where} row {i}", self.cfg.instruction) for i, r in enumerate(rows)]
+    def _convert(self, rows: list[tuple[str, dict]], where: str) -> list[Problem]:
+        """``rows``: (``line N`` / ``row N``, row), as ``read_located`` gives them."""
+        return [row_to_problem(r, f"{where} {at}", self.cfg.instruction) for at, r in rows]
 
     @cached_property
     def _splits(self) -> tuple[list[Problem], list[Problem]]:
         cfg = self.cfg
         path = str(EMBEDDED_FILES.get(cfg.path, cfg.path))
+        places = None  # one file split in two: where each question is in it (check_duplicates)
         if "{split}" in path:
             train = self._file(Path(path.format(split=cfg.train_split)))
             evals = self._file(Path(path.format(split=cfg.eval_split)))
@@ -176,7 +211,8 @@ class GSM8KTask(Task):
                     out.extend(self._file(f))
         elif Path(path).expanduser().is_file():
             # One file: a fixed, seeded share becomes the eval set, the rest is for training.
-            problems = self._file(Path(path).expanduser())
+            places = {}
+            problems = self._file(Path(path).expanduser(), places)
             order = list(range(len(problems)))
             random.Random(f"gsm8k-eval-{cfg.eval_seed}").shuffle(order)
             n_eval = cfg.n_eval or max(1, len(problems) // 5)
@@ -189,9 +225,9 @@ class GSM8KTask(Task):
         elif Path(path).suffix in SUFFIXES or path.startswith(("/", ".", "~")):
             raise ConfigError(f"task.path: file {path!r} does not exist; allowed: {ALLOWED}")
         else:
-            train = self._convert(_load_hub(cfg, cfg.train_split), f"{cfg.path}:{cfg.train_split}")
-            evals = self._convert(_load_hub(cfg, cfg.eval_split), f"{cfg.path}:{cfg.eval_split}")
-        check_duplicates(train, evals, path)
+            train = self._convert(numbered(_load_hub(cfg, cfg.train_split)), f"{cfg.path}:{cfg.train_split}")
+            evals = self._convert(numbered(_load_hub(cfg, cfg.eval_split)), f"{cfg.path}:{cfg.eval_split}")
+        check_duplicates(train, evals, path, places=places, instruction=cfg.instruction)
         if cfg.n_eval:
             evals = evals[: cfg.n_eval]
         # Training order is drawn by task.seed; the eval order stays as stored.
@@ -200,12 +236,17 @@ class GSM8KTask(Task):
             train = train[: cfg.n_train]
         return train, evals
 
-    def _file(self, path: Path) -> list[Problem]:
+    def _file(self, path: Path, places: dict[str, list[str]] | None = None) -> list[Problem]:
+        """The file's problems; ``places`` (when given) gets where each question is in it."""
         if not path.is_file():
             raise ConfigError(f"task.path: file {str(path)!r} does not exist; allowed: {ALLOWED}")
         if path.suffix not in SUFFIXES:
             raise ConfigError(f"task.path: {str(path)!r} has suffix {path.suffix!r}; allowed: {', '.join(SUFFIXES)}")
-        problems = self._convert(read_rows(path), str(path))
+        rows = read_located(path)
+        problems = self._convert(rows, str(path))
+        if places is not None:
+            for (at, _), p in zip(rows, problems):
+                places.setdefault(p.prompt, []).append(at)
         if not problems:
             raise ConfigError(f"task.path: {str(path)!r} holds no problems (empty file); allowed: a file with at least one GSM8K row")
         return problems
