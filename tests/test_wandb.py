@@ -1,7 +1,8 @@
 """W&B tracking: tags, group, scrubbing and start-up failures (fast), and offline runs of
 opd-train read back from the run folder with `wandb leet inspect` (slow): the same metric
 values as metrics.jsonl, the config, resume into the same run id, a multirun whose failing job
-is marked failed while the next job still runs, and no API key anywhere in the run folder."""
+is marked failed while the next job still runs, a preempted run's exit code 75, and no API key
+anywhere in the run folder."""
 
 from __future__ import annotations
 
@@ -327,6 +328,42 @@ def test_multirun_gives_one_run_per_job_and_marks_the_failed_one(local_pair, tmp
     run_group = group[0]["run"]["run_group"]
     assert run_group.startswith("estimator/local/") and group[0]["run"]["job_type"] == "train"
     assert group[0]["run"]["display_name"] == f"0_sampled_seed0-{run_group.rsplit('/', 1)[1]}"
+
+
+PREEMPT = """
+import os, signal
+import opd_exp.training.trainer as trainer
+_step = trainer.Trainer.train_step
+def train_step(self):
+    out = _step(self)
+    if self.step == 2:
+        os.kill(os.getpid(), signal.SIGTERM)  # as a scheduler's preemption: acted on at the step boundary
+    return out
+trainer.Trainer.train_step = train_step
+from opd_exp.cli.train import main
+main()
+"""
+
+
+@pytest.mark.slow
+def test_a_preempted_run_ends_its_wandb_run_with_exit_code_75(local_pair, tmp_path):
+    """The process exits 75 (saved, to be resumed) and its offline W&B run records 75, not a
+    finished run's 0; the resumed session's run (same id) then finishes with 0."""
+    script = tmp_path / "preempt_train.py"
+    script.write_text(PREEMPT)
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, str(script), *tiny_args(local_pair, steps=4), f"hydra.run.dir={run_dir}"]
+    done = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 75, done.stderr[-3000:]
+    assert "opd-train: preempted: SIGTERM received: checkpoint at step 2" in done.stderr
+    (run,) = inspect(run_dir)
+    assert run["exit_code"] == 75 and run["summary"]["step"] == 2
+    cmd[1] = "-m"
+    cmd.insert(2, "opd_exp.cli.train")  # the same command again, without the signal: resumes to the end
+    again = subprocess.run(cmd, cwd=tmp_path, env=run_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    runs = inspect(run_dir)
+    assert [r["exit_code"] for r in runs] == [75, 0] and len({r["run_id"] for r in runs}) == 1
 
 
 @pytest.mark.slow
