@@ -422,7 +422,8 @@ def test_default_is_all_and_logs_no_positions_metric():
     [
         (["positions=first", "positions.fraction=0"], "positions.fraction=0.0 is not allowed; allowed: 0 < fraction <= 1"),
         (["positions=first_n", "positions.tokens=0"], "positions.tokens=0 is not allowed; allowed: integer >= 1"),
-        (["positions=iw_opd", "positions.gamma=-1"], "positions.gamma=-1.0 is not allowed; allowed: >= 0 (0: every weight 1, plain OPD)"),
+        (["positions=iw_opd", "positions.gamma=-1"], "positions.gamma=-1.0 is not allowed; allowed: 0 <= gamma <= 1000 (0: every weight 1"),
+        (["positions=iw_opd", "positions.gamma=1e300"], r"positions.gamma=1e\+300 is not allowed; allowed: 0 <= gamma <= 1000 (0: every"),
         (["positions=entropy_gate", "positions.threshold=-0.5"], "positions.threshold=-0.5 is not allowed; allowed: >= 0 (nats)"),
         (
             ["positions=iw_opd", "estimator=sampled", "loss=ppo", "loss.ppo_epochs=2"],
@@ -588,3 +589,42 @@ def test_every_built_in_option_is_a_registered_rule_with_its_keys():
     with pytest.raises(ValueError, match=r"register_position_rule: Typo reads fractoin, which the config cannot set; allowed: "):
         register_position_rule(Typo)
     assert "typo_rule" not in POSITION_RULES
+
+
+@pytest.mark.parametrize(
+    "overrides,lines",
+    [
+        ([], []),
+        (["positions=first_n", "positions.tokens=8"], []),
+        (
+            ["positions.tokens=8"],
+            ["opd-train: notice: positions.tokens=8 is not read by positions=all (only by first_n); it changes nothing"],
+        ),
+        (
+            ["positions=iw_opd", "positions.fraction=0.5", "positions.gate=replace"],
+            [
+                "opd-train: notice: positions.fraction=0.5 is not read by positions=iw_opd (only by first, last); it changes nothing",
+                "opd-train: notice: positions.gate=replace is not read by positions=iw_opd (only by entropy_gate); it changes nothing",
+            ],
+        ),
+        (
+            ["positions=first_n", "positions.tokens=40", "rollout.max_new_tokens=40"],
+            [
+                "opd-train: notice: positions.tokens=40 >= rollout.max_new_tokens=40: positions=first_n cuts no rollout "
+                "(the same run as positions=all)"
+            ],
+        ),
+    ],
+)
+def test_settings_that_change_nothing_are_said(overrides, lines):
+    from opd_exp.config.positions import positions_notices
+
+    assert positions_notices(_compose(*overrides)) == lines
+
+
+def test_a_run_says_an_ignored_positions_key_on_its_console(tiny_pair, tmp_path, capsys):
+    from opd_exp.training.trainer import Trainer
+
+    Trainer(small_config(positions={"tokens": 5}), tmp_path, pair=copy.deepcopy(tiny_pair), task=AddTask())
+    err = capsys.readouterr().err
+    assert "opd-train: notice: positions.tokens=5 is not read by positions=all (only by first_n); it changes nothing" in err

@@ -54,6 +54,8 @@ OPTION_KEYS: dict[str, tuple[str, ...]] = {
     "entropy_gate": ("threshold", "gate"),
 }
 FLOAT_WEIGHTS: set[str] = {"iw_opd", "entropy_gate"}
+# iw_opd's largest gamma: its weights reach 1 + gamma, and beyond this they scale the loss, not shape it
+GAMMA_MAX = 1e3
 
 
 def _fail(key: str, value: Any, allowed: str) -> None:
@@ -86,8 +88,12 @@ class PositionsConfig:
             _fail("positions.fraction", self.fraction, "0 < fraction <= 1")
         if not (isinstance(self.tokens, int) and self.tokens >= 1):
             _fail("positions.tokens", self.tokens, "integer >= 1")
-        if not (_finite(self.gamma) and self.gamma >= 0.0):
-            _fail("positions.gamma", self.gamma, ">= 0 (0: every weight 1, plain OPD)")
+        if not (_finite(self.gamma) and 0.0 <= self.gamma <= GAMMA_MAX):
+            _fail(
+                "positions.gamma",
+                self.gamma,
+                f"0 <= gamma <= {GAMMA_MAX:g} (0: every weight 1, plain OPD; the first token's weight is 1 + gamma)",
+            )
         if not (_finite(self.threshold) and self.threshold >= 0.0):
             _fail("positions.threshold", self.threshold, ">= 0 (nats)")
 
@@ -128,3 +134,27 @@ def validate_positions(cfg) -> None:
             f"{'0' if key.endswith('top_k') else '1.0'} (off) with positions=entropy_gate: its forward KL(T||S) is infinite "
             "where the teacher has mass the filter removes",
         )
+
+
+def positions_notices(cfg) -> list[str]:
+    """Settings of the ``positions`` group that change nothing in this run, one line each: a key
+    set away from its default that the chosen option does not read (a sweep may set it for all its
+    arms, so this is said, not refused), and ``first_n`` at or above the rollout length (nothing
+    is cut: the same run as ``positions=all``)."""
+    pos, name = cfg.positions, cfg.positions.name.value
+    reads, lines = OPTION_KEYS.get(name, ()), []
+    default = PositionsConfig()
+    for key in ("fraction", "tokens", "gamma", "threshold", "gate"):
+        value = getattr(pos, key)
+        if key not in reads and value != getattr(default, key):
+            users = ", ".join(n for n, keys in OPTION_KEYS.items() if key in keys)
+            shown = value.value if isinstance(value, Enum) else value
+            lines.append(
+                f"opd-train: notice: positions.{key}={shown} is not read by positions={name} (only by {users}); it changes nothing"
+            )
+    if "tokens" in reads and name == "first_n" and pos.tokens >= cfg.rollout.max_new_tokens:
+        lines.append(
+            f"opd-train: notice: positions.tokens={pos.tokens} >= rollout.max_new_tokens={cfg.rollout.max_new_tokens}: "
+            "positions=first_n cuts no rollout (the same run as positions=all)"
+        )
+    return lines

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from opd_exp.config.positions import positions_notices
 from opd_exp.config.schema import TrainConfig
 from opd_exp.runtime import files, fingerprint
 from opd_exp.runtime import precision as prec
@@ -30,6 +31,8 @@ class Engines:
 
 def build_engines(cfg: TrainConfig, student, teacher, tokenizer, vocab_size: int, *, autocast, synced_gpus: bool, warn) -> Engines:
     train = training_rollout_config(cfg)  # positions=first_n: training rollouts stop early, evaluation does not
+    for line in positions_notices(cfg):
+        warn(line)
     own = build_student_engine(train, student, tokenizer, vocab_size, autocast=autocast, synced_gpus=synced_gpus, warn=warn)
     teacher_engine = in_process_engine(train, teacher, tokenizer, vocab_size, source="teacher", autocast=autocast)
     eval_teacher = (
