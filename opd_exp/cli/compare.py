@@ -113,7 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-smooth", action="store_true", help="plot per-step training metrics raw (default: EMA-smoothed)")
     p.add_argument("--smooth", type=float, default=None, metavar="SPAN", help="EMA span in logged steps (default: ~1/25 of the run)")
     p.add_argument("--log-y", action="store_true", help="log scale on the y axes of --plot")
-    p.add_argument("--title", default=None, help="figure title (default: the folders, jobs and steps)")
+    p.add_argument(
+        "--title",
+        default=None,
+        help="figure title (default: the sweep and the pair the runs' configs name, then the jobs and steps, e.g. "
+        "'divergence sweep, embedded pair: 9 jobs, 250 steps'; several folders: their labels; runs that name no sweep: the folder)",
+    )
     p.add_argument("--format", choices=("text", "markdown", "csv"), default="text", help="table format (default: text)")
     return p
 
