@@ -228,3 +228,71 @@ def test_ctrl_c_during_opd_prepare_is_one_line_and_caches_nothing_half_built(tmp
     left = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock"))
     assert [n for n in left if "teacher" in n or n.startswith(".tmp")] == []  # only finished entries (the tokenizer)
     assert all(cache.check_entry(tmp_path / n) is None for n in left)
+
+
+def test_a_disk_problem_inside_the_cache_names_opd_exp_cache_not_the_run_folder(tmp_path, monkeypatch, capsys):
+    from opd_exp.cli.errors import io_error
+
+    monkeypatch.setenv("OPD_EXP_CACHE", str(tmp_path / "cache"))
+    inside = str(tmp_path / "cache" / "embedded-teacher-0123" / "model.safetensors")
+    line = str(io_error(OSError(28, "No space left on device", inside)))
+    assert line == (
+        f"the model cache cannot be written ({inside}): No space left on device; allowed: OPD_EXP_CACHE set to a writable "
+        f"folder with free space (OPD_EXP_CACHE is {tmp_path / 'cache'})"
+    )
+    outside = str(io_error(OSError(28, "No space left on device", str(tmp_path / "run" / "metrics.jsonl"))))
+    assert "hydra.run.dir" in outside and "OPD_EXP_CACHE" not in outside
+    # end to end: a cache root under a file, through opd-prepare (one line, exit 2, no traceback)
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("OPD_EXP_CACHE", str(tmp_path / "afile" / "cache"))
+    assert prepare_main(["--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"error: the model cache cannot be written ({tmp_path / 'afile' / 'cache'}): ")
+    assert f"allowed: OPD_EXP_CACHE set to a writable folder with free space (OPD_EXP_CACHE is {tmp_path / 'afile' / 'cache'})" in err
+
+
+def test_a_full_cache_disk_while_copying_a_shipped_entry_is_one_line_and_leaves_nothing(tmp_path, monkeypatch, capsys):
+    """``shutil.copytree`` gathers each file's failure into one ``shutil.Error`` list (no strerror):
+    the line names the first file, why, and OPD_EXP_CACHE; the partial copy is removed."""
+    import errno
+    import functools
+    import shutil
+
+    monkeypatch.setenv("OPD_EXP_CACHE", str(tmp_path))
+    copied = []
+
+    def full_disk(src, dst, **kw):
+        if copied:  # the first file fits, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device", dst)
+        copied.append(dst)
+        return shutil.copy2(src, dst, **kw)
+
+    monkeypatch.setattr(cache.shutil, "copytree", functools.partial(shutil.copytree, copy_function=full_disk))
+    assert prepare_main(["--quiet"]) == 2  # the default world: its tokenizer is copied from the package first
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err and "[(" not in err, err
+    assert err.startswith(f"error: the model cache cannot be written ({tmp_path}/.tmp-embedded-tokenizer-")
+    assert ": copying the shipped entry embedded-tokenizer-" in err and "No space left on device" in err
+    assert err.rstrip().endswith(f"allowed: OPD_EXP_CACHE set to a writable folder with free space (OPD_EXP_CACHE is {tmp_path})")
+    assert [p.name for p in tmp_path.iterdir() if not p.name.endswith(".lock")] == []  # no partial entry
+
+
+@pytest.mark.parametrize(
+    "damage, found",
+    [
+        (lambda e: (e / "weights.bin").write_bytes(b"x" * 100), "file weights.bin does not match its checksum"),
+        (lambda e: (e / cache.MANIFEST).write_text("{trunc"), "no readable opd-exp-manifest.json (partial build?)"),
+    ],
+)
+def test_a_damaged_entry_is_announced_as_damaged_not_as_a_changed_recipe(tmp_path, monkeypatch, damage, found):
+    monkeypatch.setenv("OPD_EXP_CACHE", str(tmp_path))
+    older, key = {"model": {"sft_steps": 5}}, {"model": {"sft_steps": 3}}
+    cache.get_or_build("embedded-teacher", older, Builder())  # another recipe's entry, older
+    entry = cache.get_or_build("embedded-teacher", key, Builder())
+    damage(entry)
+    line = prepare.build_announcement("teacher", _tiny(3), key)
+    assert line == (
+        f"opd-exp: building the embedded teacher once (3 SFT steps, under a minute on a laptop CPU): its cached entry is damaged "
+        f"({found}): it is discarded and rebuilt from the same recipe; cached in {entry}"
+    )
+    assert "recipe differs" not in line

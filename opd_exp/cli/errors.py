@@ -91,7 +91,23 @@ def argv_problem(argv: list[str]) -> str | None:
 
 
 def io_error(ex: OSError) -> ConfigError:
-    """A disk or permission problem as one line (a full disk during a checkpoint save included)."""
+    """A disk or permission problem as one line (a full disk during a checkpoint save included);
+    one inside the model cache names OPD_EXP_CACHE, not the run folder."""
+    import shutil
+
+    from opd_exp.pairs.embedded import cache
+
+    if isinstance(ex, shutil.Error):  # copytree's list of (src, dst, why): the first failure
+        failed, why = cache.copy_failure(ex)
+        return ConfigError(
+            cache.problem_line(failed, why)
+            if cache.in_cache(failed)
+            else f"cannot copy {failed}: {why}; allowed: a writable folder with free space"
+        )
+    named = [p for p in (getattr(ex, "filename", None), getattr(ex, "filename2", None)) if p]
+    inside = next((p for p in named if cache.in_cache(p)), None)
+    if inside is not None:
+        return ConfigError(cache.problem_line(inside, ex.strerror or first_line(ex)))
     where = f" ({ex.filename})" if getattr(ex, "filename", None) else ""
     return ConfigError(
         f"cannot write the run folder or read an input{where}: {ex.strerror or first_line(ex)}; "

@@ -76,6 +76,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a full or read-only cache while an entry is built: names OPD_EXP_CACHE
+        from opd_exp.cli.errors import io_error
+
+        print(f"error: {io_error(exc)}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         # every entry is built in a temp folder renamed into place at the end (cache.get_or_build):
         # an interrupted build leaves no entry behind, only the finished ones

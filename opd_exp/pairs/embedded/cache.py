@@ -43,6 +43,31 @@ def cache_root() -> Path:
     return Path(base).expanduser() / "opd-exp"
 
 
+def in_cache(path: str | os.PathLike) -> bool:
+    """Whether ``path`` lies in the cache (a disk problem there is OPD_EXP_CACHE's to fix)."""
+    try:
+        return Path(os.fsdecode(path)).resolve().is_relative_to(cache_root().resolve())
+    except (TypeError, ValueError, OSError):  # not a path (a file descriptor), or one that cannot be resolved
+        return False
+
+
+def problem_line(path: str | os.PathLike, reason: str) -> str:
+    """A disk problem inside the cache as one line naming OPD_EXP_CACHE (not the run folder)."""
+    where = "OPD_EXP_CACHE" if os.environ.get("OPD_EXP_CACHE") else "the default cache (OPD_EXP_CACHE unset)"
+    return (
+        f"the model cache cannot be written ({os.fsdecode(path)}): {reason}; allowed: OPD_EXP_CACHE set to a writable "
+        f"folder with free space ({where} is {cache_root()})"
+    )
+
+
+def copy_failure(ex: shutil.Error) -> tuple[str, str]:
+    """(the first file ``shutil.copytree`` could not copy, why): its error holds a list of
+    (src, dst, why) triples, no strerror."""
+    failed = ex.args[0] if ex.args and isinstance(ex.args[0], list) else []
+    first = next((f for f in failed if isinstance(f, tuple) and len(f) == 3), None)
+    return (str(first[1]), str(first[2])) if first else ("?", str(ex))
+
+
 def key_hash(key: Mapping[str, Any]) -> str:
     """A short stable hash of a JSON-able key (order of dict keys does not matter)."""
     text = json.dumps(key, sort_keys=True, separators=(",", ":"), default=str)
@@ -130,8 +155,14 @@ def get_or_build(
             files.discard(final)
         source = shipped_entry(final.name) if shipped else None
         if source is not None:  # the package's prepared copy, manifest and all
-            with files.atomic_folder(final) as tmp:
-                shutil.copytree(source, tmp, dirs_exist_ok=True)
+            try:  # a full disk midway: atomic_folder removes the partial copy
+                with files.atomic_folder(final) as tmp:
+                    shutil.copytree(source, tmp, dirs_exist_ok=True)
+            except shutil.Error as ex:  # copytree collects every file's failure in one list
+                from opd_exp.runtime.errors import ConfigError
+
+                failed, why = copy_failure(ex)
+                raise ConfigError(problem_line(failed, f"copying the shipped entry {final.name} failed: {why}")) from None
             return final
         with files.atomic_folder(final) as tmp:
             info = build(tmp) or {}

@@ -289,12 +289,15 @@ def _flat(d: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def build_announcement(role: str, recipe: EmbeddedModelConfig, key: dict) -> str:
-    """What is built, why (first build, or which recipe keys differ from the newest cached
-    entry), where, and about how long."""
+    """What is built, why (first build, its own entry damaged, or which recipe keys differ from
+    the newest cached entry), where, and about how long."""
     kind = f"embedded-{role}"
     path = cache.entry_path(kind, key)
     cached = cache.cached_keys(kind)
-    if cached:
+    damage = cache.check_entry(path)  # this recipe's own entry: damaged is not "another recipe"
+    if damage not in (None, "missing"):
+        why = f"its cached entry is damaged ({damage}): it is discarded and rebuilt from the same recipe"
+    elif cached:
         old = _flat(cached[0][1].get("key", {}))
         new = _flat(json.loads(json.dumps(key, default=str)))
         diff = [f"{k}: {old.get(k)!r} -> {new.get(k)!r}" for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
