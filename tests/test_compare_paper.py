@@ -271,3 +271,43 @@ def test_a_single_run_has_the_name_wandb_gives_it(tmp_path):
         == run_name(overrides, {"divergence.beta"})
         == "divergence.beta=0.3"
     )
+
+
+def _skip_every_step(job: Path) -> None:
+    """The job as the trainer leaves a run whose every step was non-finite (its all-skipped stop,
+    exit 3): grad/skipped=1 on each training step, guard/skipped_steps counting them, the evals
+    unmoved (no update was ever applied), no summary.json."""
+    rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+    first = next(r["eval/accuracy"] for r in rows if "eval/accuracy" in r)
+    for r in rows:
+        if r["step"]:
+            r.update({"loss": None, "grad/skipped": 1.0, "guard/skipped_steps": float(r["step"])})
+        if "eval/accuracy" in r:
+            r.update({"eval/accuracy": first, "eval/kl_reverse": 1.0 - first})
+    (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+
+
+def test_a_run_whose_every_step_was_skipped_is_left_out_of_every_table_and_named(tmp_path, capsys):
+    folder = make(tmp_path)
+    _skip_every_step(folder / "1_rkl_seed1")
+    for job in sorted(folder.iterdir()):  # the other jobs trained every step, one skipped a single step
+        rows = [json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines()]
+        if job.name != "1_rkl_seed1":
+            for r in rows[1:]:
+                r.update({"grad/skipped": float(job.name == "0_rkl_seed0" and r["step"] == 1), "guard/skipped_steps": 0.0})
+            (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code, out, err = compare(capsys, folder)
+    assert code == 0 and err == ""
+    row = next(ln for ln in out.splitlines() if ln.startswith("variant=rkl"))
+    assert cells(row)[1] == "0,2"  # seed 1 is not averaged in as an unmoved run
+    notice = "runs whose every step was skipped (non-finite loss or gradient: no update applied), left out of the tables: 1"
+    assert notice in out.splitlines()
+    assert f"  run {folder / '1_rkl_seed1'}: every step skipped (no update applied): variant=rkl, 6 steps" in out.splitlines()
+    # the paper tables leave it out too: at a common step, and as a base of paired differences
+    code, out, _ = compare(capsys, folder, "--at-step", 4, "--base", "variant=rkl")
+    assert code == 0 and notice in out.splitlines()
+    assert [cells(ln)[:2] for ln in out.splitlines() if ln.startswith("reverse KL  ")] == [["reverse KL", "0,2"]]
+    assert "note: forward KL: seed(s) 1 have no run of reverse KL, left out" in out
+    # csv stays a table: the notice goes to stderr
+    code, out, err = compare(capsys, folder, "--format", "csv")
+    assert code == 0 and "skipped" not in out and notice in err.splitlines()

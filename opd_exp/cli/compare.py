@@ -15,8 +15,9 @@ METRIC=VALUE`` gives the steps, sampled tokens and seconds to a threshold, ``--b
 each variant's per-seed difference from its base; those tables name variants in a paper's
 words from the runs' config (``JSD β=0.5``). A value a run ended with as nan or inf is shown so
 (a diverged run never looks unmoved). Jobs that have not reached ``trainer.max_steps`` (still
-running, or stopped) and jobs that wrote nothing are listed apart. Errors are one line on
-stderr with exit code 2.
+running, or stopped), jobs that wrote nothing, and runs whose every step was skipped (non-finite:
+no update applied, their evals the start's) are listed apart. Errors are one line on stderr with
+exit code 2.
 """
 
 from __future__ import annotations
@@ -163,10 +164,13 @@ def run(argv: list[str] | None = None) -> int:
         raise AnalysisError(f"--at-step {args.at_step}: a step is >= 0; allowed: a logged step such as 100")
     reaches = [parse_reach(spec) for spec in args.reach or []]
     stat = _stat(args)
-    loaded, sources = load_sources(args.folders)
+    everything, sources = load_sources(args.folders)
+    # a run whose every step was skipped applied no update: its evals are the start's, not a result
+    skipped = [r for r in everything if every_step_skipped(r)]
+    loaded = [r for r in everything if not any(r is x for x in skipped)]
     runs = [r for r in loaded if r.finished]
     unfinished = [r for r in loaded if not r.finished]
-    known = available_metrics(loaded)
+    known = available_metrics(everything)
     metrics = args.metric or list(TABLE_METRICS)
     if args.metric:  # asked-for columns must exist; default ones may be missing (shown n/a)
         _check_metrics(metrics, known, "metric")
@@ -221,6 +225,12 @@ def run(argv: list[str] | None = None) -> int:
             out.append(table if csv else f"{title}\n{table}" + "".join(f"note: {n}\n" for n in notes))
     sys.stdout.write(("\n" if csv else "").join(out))
     failed = [(label, d) for label, folder in sources for d in find_failed_jobs(folder)]
+    if skipped:  # with csv on stderr: the table stays a table
+        print(
+            "\n".join([SKIPPED_NOTICE.format(n=len(skipped)), *(f"  run {r.path}: every step skipped (no update applied): "
+                                                               f"{r.variant}, {r.last_step()} steps" for r in skipped)]),
+            file=sys.stderr if csv else sys.stdout,
+        )  # fmt: skip
     if not csv:
         for label, _ in sources:
             teacher = mean_std(r.final("eval/teacher_accuracy") for r in loaded if r.source == label)
@@ -248,14 +258,14 @@ def run(argv: list[str] | None = None) -> int:
         smooth = False if args.no_smooth else (args.smooth if args.smooth is not None else True)
         # every job's curve, unfinished ones too (a running sweep is watched this way)
         fig = plot_curves(
-            loaded,
+            everything,
             curves,
             stat=stat,
             x=args.x,
             labels=labels if args.labels != "names" else None,
             smooth=smooth,
             logy=args.log_y,
-            title=args.title or figure_title(sources, loaded),
+            title=args.title or figure_title(sources, everything),
         )
         try:
             args.plot.parent.mkdir(parents=True, exist_ok=True)
@@ -265,6 +275,24 @@ def run(argv: list[str] | None = None) -> int:
         if not csv:
             print(f"curves written to {args.plot}")
     return 0
+
+
+SKIPPED_NOTICE = "runs whose every step was skipped (non-finite loss or gradient: no update applied), left out of the tables: {n}"
+
+
+def every_step_skipped(run) -> bool:
+    """Every training step of the run was skipped (the trainer's all-skipped stop, exit 3, or a
+    stop after ``trainer.max_bad_steps`` bad steps from the first): ``guard/skipped_steps`` at its
+    last step counts them all; runs that log no such count: ``grad/skipped`` is 1 on every step."""
+    last = run.last_step()
+    if not last:
+        return False
+    counted = run.get("guard/skipped_steps")
+    if counted:
+        step, n = counted[-1]
+        return step == last and n >= last
+    flags = [v for s, v in run.get("grad/skipped") if s > 0]
+    return bool(flags) and all(v == 1.0 for v in flags)
 
 
 def _where(sources, runs, args) -> str:
