@@ -14,6 +14,8 @@ from opd_exp.config.choices import RegistryChoice
 # hf (transformers generate on the training copy) | lean (our KV-cache decode loop on the training
 # copy; Gumbel-max draws) | vllm (a vLLM engine, optional extra; weights synced after every update)
 RolloutEngine = RegistryChoice("RolloutEngine", [(n, n) for n in ("auto", "hf", "lean", "vllm")])
+# rollout.correction (training/staleness.py registers each): recompute | is | none
+StalenessCorrection = RegistryChoice("StalenessCorrection", [(n, n) for n in ("recompute", "is", "none")])
 
 
 @dataclass
@@ -42,6 +44,15 @@ class RolloutConfig:
     engine: RolloutEngine = RolloutEngine.auto
     # vllm only: share of the GPU's memory the engine may take (the trainer needs the rest)
     vllm_gpu_memory_utilization: float = 0.3
+    # asynchronous OPD (training/staleness.py): the learner trains on rollouts sampled `staleness`
+    # updates earlier, by a producer that samples ahead while the learner updates; 0: in the loop
+    staleness: int = 0
+    # with staleness > 0, named (no default): recompute (the sampled-token costs and log-probs
+    # recomputed under the current student, times importance weights S_now/S_behaviour) | is (the
+    # same weights on the costs as sampled) | none (no correction: biased, logged as such)
+    correction: StalenessCorrection | None = None
+    # truncation of those weights: min(w, is_cap) (null: untruncated; unbiased, higher variance)
+    is_cap: float | None = 2.0
 
     def __post_init__(self) -> None:
         _check(
@@ -61,6 +72,14 @@ class RolloutConfig:
             "rollout.on_policy_fraction",
             self.on_policy_fraction,
             "0 <= on_policy_fraction <= 1",
+        )
+
+        _check(isinstance(self.staleness, int) and 0 <= self.staleness <= 64, "rollout.staleness", self.staleness, "an integer 0..64")
+        _check(
+            self.is_cap is None or (_finite(self.is_cap) and self.is_cap >= 1.0),
+            "rollout.is_cap",
+            self.is_cap,
+            ">= 1 (the weights' truncation), or null (untruncated)",
         )
 
     @property
@@ -94,3 +113,30 @@ def validate_engine(cfg) -> None:
     reason = limit(cfg.scale.parallel.value, bool(cfg.scale.lora_rank)) if limit else None
     if reason:
         _fail("rollout.engine", name, reason)
+
+
+def validate_staleness(cfg) -> None:
+    """What ``rollout.staleness > 0`` needs: a named correction, and what the producer cannot do yet."""
+    ro = cfg.rollout
+    if ro.staleness == 0:
+        return
+    why = f"with rollout.staleness={ro.staleness}"
+    if ro.correction is None:
+        _fail(
+            "rollout.correction",
+            None,
+            f"recompute, is or none {why} (a rollout sampled by an older student needs a named correction: recompute "
+            "reweights the recomputed costs by S_now/S_behaviour, is reweights the sampled costs, none trains as if on-policy: biased)",
+        )
+    if ro.correction.value == "is" and cfg.estimator.name.value != "sampled":
+        _fail(
+            "rollout.correction", "is", f"recompute or none {why} and estimator={cfg.estimator.name.value} (is keeps sampled-token costs)"
+        )
+    if cfg.loss.name.value == "ppo":
+        _fail("loss.name", "ppo", f"reinforce or direct {why} (PPO's ratio would need the behaviour policy's log-probs as its old ones)")
+    if ro.on_policy_fraction < 1.0:
+        _fail("rollout.on_policy_fraction", ro.on_policy_fraction, f"1.0 {why} (the producer samples the student only)")
+    if ro.engine.value not in ("auto", "lean", "hf"):
+        _fail("rollout.engine", ro.engine.value, f"auto, lean or hf {why} (the producer samples a copy of the student in process)")
+    if cfg.scale.parallel.value != "none":
+        _fail("scale.parallel", cfg.scale.parallel.value, f"none {why} (one producer, one learner)")

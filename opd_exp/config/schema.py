@@ -23,7 +23,7 @@ from opd_exp.config.loop import LoggerName as LoggerName
 from opd_exp.config.loop import Schedule as Schedule
 from opd_exp.config.positions import PositionsConfig, validate_positions
 from opd_exp.config.reward import RewardConfig, validate_reward
-from opd_exp.config.rollout import RolloutConfig, validate_engine
+from opd_exp.config.rollout import RolloutConfig, validate_engine, validate_staleness
 from opd_exp.config.rollout import RolloutEngine as RolloutEngine
 from opd_exp.config.scale import FusedLmHead as FusedLmHead
 from opd_exp.config.scale import Parallel, ParamDtype, Precision, ScaleConfig, validate_fused_head
@@ -303,6 +303,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         _fail("scale.device", "mps", f"auto, cpu, cuda with scale.parallel={tc.parallel.value} (no process group backend for mps)")
     validate_fused_head(cfg)
     validate_engine(cfg)
+    validate_staleness(cfg)
     validate_teacher(cfg)
     return cfg
 

@@ -38,6 +38,8 @@ _NAME = re.compile(r"^step_(\d+)$")
 _FILES = ("model.safetensors", "optimizer.pt", "state.json", "rng.pt")
 TEACHER_FILE = "teacher.safetensors"  # only where the teacher scorer has state
 TEACHER_STATE = "teacher_state"  # the loop-state key ``load`` returns it under
+PRODUCER_FILE = "producer.safetensors"  # only with rollout.staleness > 0: the rollouts in flight
+PRODUCER_STATE = "producer_state"
 MANIFEST = "manifest.json"
 LOCK = ".opd-train.lock"
 OWNER = ".opd-train.pid"
@@ -62,10 +64,19 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 def save(
-    run_dir: Path, step: int, model, optimizer, scheduler, loop_state: dict[str, Any], keep: int = 2, teacher_state: dict | None = None
+    run_dir: Path,
+    step: int,
+    model,
+    optimizer,
+    scheduler,
+    loop_state: dict[str, Any],
+    keep: int = 2,
+    teacher_state: dict | None = None,
+    producer_state: dict | None = None,
 ) -> Path:
     """Write checkpoint ``step`` atomically and keep only the newest ``keep``; ``teacher_state``:
-    the teacher scorer's tensors (``TeacherScorer.state_dict``), if any."""
+    the teacher scorer's tensors (``TeacherScorer.state_dict``), if any; ``producer_state``: the
+    rollouts in flight of an asynchronous run (``training/producer.py``), if any."""
     from safetensors.torch import save_file, save_model
 
     root = checkpoint_root(run_dir)
@@ -81,6 +92,8 @@ def save(
             torch.save(rng_state(), tmp / "rng.pt")
             if teacher_state:
                 save_file({k: v.detach().cpu().contiguous() for k, v in teacher_state.items()}, str(tmp / TEACHER_FILE))
+            if producer_state:
+                save_file({k: v.detach().cpu().contiguous() for k, v in producer_state.items()}, str(tmp / PRODUCER_FILE))
             (tmp / "state.json").write_text(json.dumps({"step": step, **loop_state}, indent=2) + "\n")
             files.write_manifest(tmp, MANIFEST, {"step": step})
     except (OSError, RuntimeError) as ex:
@@ -200,6 +213,10 @@ def load(path: Path, model, optimizer, scheduler) -> dict[str, Any]:
         from safetensors.torch import load_file
 
         state[TEACHER_STATE] = load_file(str(path / TEACHER_FILE))
+    if (path / PRODUCER_FILE).is_file():
+        from safetensors.torch import load_file
+
+        state[PRODUCER_STATE] = load_file(str(path / PRODUCER_FILE))
     return state
 
 

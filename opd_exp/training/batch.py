@@ -56,6 +56,10 @@ class Batch:
     # the same rows as the TEACHER is asked them (teacher.privileged: its own prompt, the same
     # response columns); None: the teacher sees what the student sees. The student never reads it
     teacher_view: Batch | None = None
+    # [N, R] log B(y) of the policy that sampled a stale rollout (rollout.staleness > 0: the
+    # producer's engine log-probs), for the correction's importance weights; None: sampled by the
+    # weights being trained
+    behaviour_logprobs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.source = Source(self.source)  # "student"/"teacher" from older callers

@@ -144,3 +144,23 @@ def pair_record(pair) -> dict[str, Any]:
         info = m.get("info", {})
         out[role] = {"hash": m.get("hash"), **{k: info[k] for k in ("accuracy", "format_rate", "n_check") if k in info}}
     return out
+
+
+def rollout_source(cfg: TrainConfig, engines: Engines, student, tokenizer, vocab_size: int, *, autocast, phases, task, problems, cursor):
+    """Where each step's rollout comes from (``training/producer.py``): the loop's engines, or with
+    ``rollout.staleness > 0`` a producer sampling a copy of the student with ``rollout.engine``'s
+    in-process decoder, its prompts drawn from a copy of the data ``cursor`` as the trainer draws them."""
+    from opd_exp.training.producer import build_rollouts
+
+    train = training_rollout_config(cfg)
+
+    def plan(data_cursor, tok) -> list[str]:  # the next step's prompt rows, prompt-major
+        drawn = [problems[i] for i in data_cursor.next(cfg.trainer.batch_size)]
+        return [task.render_prompt(p, tok) for p in drawn for _ in range(cfg.rollout.n_samples)]
+
+    def engine_factory(model, tok):
+        return in_process_engine(train, model, tok, vocab_size, source="student", autocast=autocast)
+
+    return build_rollouts(
+        cfg, engines, student, tokenizer, vocab_size, phases=phases, plan=plan, cursor=cursor, engine_factory=engine_factory
+    )

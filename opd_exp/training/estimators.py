@@ -55,6 +55,9 @@ class StepInputs:
     m: torch.Tensor  # [N, R] bool: the kept (trained) positions
     s: torch.Tensor  # [N, R] log S(y), with grad
     t: torch.Tensor  # [N, R] log T(y), detached
+    # [N, R] the log-probs the sampled-token cost is computed from, where not this forward's
+    # (rollout.correction=is: the behaviour policy's); None: s
+    cost_s: torch.Tensor | None = None
 
     @property
     def cfg(self):
@@ -117,9 +120,10 @@ class Sampled(Estimator):
 
     def __call__(self, x: StepInputs) -> Estimate:
         obj, cfg, s0 = x.obj, x.cfg, x.s.detach()
-        cost = obj.div.token_cost(s0, x.t)
+        sc = s0 if x.cost_s is None else x.cost_s
+        cost = obj.div.token_cost(sc, x.t)
         if cfg.loss.credit.value == "sequence":
-            returns = sequence_returns(cost, obj.value(obj.div, s0, x.t, x.student_z.detach(), x.scores.logits, x.m), x.m, cfg.loss.gamma)
+            returns = sequence_returns(cost, obj.value(obj.div, sc, x.t, x.student_z.detach(), x.scores.logits, x.m), x.m, cfg.loss.gamma)
         else:
             returns = cost
         per_position = {}

@@ -81,6 +81,7 @@ class MaterialisedHead:
                     on_policy=on_policy,
                     normalizer=n_tokens,
                     reward_advantages=mb.reward_advantages,
+                    behaviour_logprobs=mb.behaviour_logprobs,
                 )
                 with dist_util.no_sync(module, ds, last=last):
                     (out.loss * ds.world_size if ds.active else out.loss).backward()

@@ -177,7 +177,9 @@ class Monitors:
         self.divergences = exact_divergences(cfg)
         # every per-token metric of a student-sampled step (0 where a step has none; NaN when skipped)
         self.names = token_metric_names(cfg, sparse=sparse)
-        self._gap_warned = False
+        # a stale rollout's engine log-probs are an older student's by design (rollout.staleness > 0):
+        # the gap is then the policy's drift, which the importance weights correct (async/*), not a fault
+        self._gap_warned = cfg.rollout.staleness > 0
 
     @torch.no_grad()
     def __call__(

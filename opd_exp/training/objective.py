@@ -60,6 +60,7 @@ from opd_exp.training.monitors import OUTSIDE, exact_divergences, metric_beta, s
 from opd_exp.training.positions import build_position_rule, position_mask
 from opd_exp.training.reward import with_reward
 from opd_exp.training.scoring import TeacherScores, token_logprobs
+from opd_exp.training.staleness import build_correction
 
 __all__ = ["Objective", "Output", "metric_beta", "position_mask", "ppo_surrogate"]
 
@@ -132,6 +133,7 @@ class Objective:
         self.cfg = cfg
         self.sparse = teacher_k is not None
         self.positions = build_position_rule(cfg, sparse=self.sparse)  # which positions count, with what weight
+        self.correction = build_correction(cfg)  # rollout.staleness > 0: importance weights of a stale rollout
         if self.sparse:
             check_sparse_teacher(cfg, teacher_k, int(vocab_size or 0))
         self.div = get_divergence(cfg.divergence.name.value, **cfg.divergence.params())
@@ -158,11 +160,14 @@ class Objective:
         normalizer: float,
         counted: torch.Tensor | None = None,
         reward_advantages: torch.Tensor | None = None,
+        behaviour_logprobs: torch.Tensor | None = None,
     ) -> Output:
         """``counted``: the positions the loss counts, ``self.positions.counted`` of the rows' whole
         response masks (a caller that passes a chunk of positions from several rows computes it per
         row first); by default computed here, ``mask`` being whole rows. Their weights (or the
-        entropy gate's forward-KL term) are applied here: ``training/positions.py``."""
+        entropy gate's forward-KL term) are applied here: ``training/positions.py``.
+        ``behaviour_logprobs``: log B(y) of the policy that sampled a stale rollout (rollout.staleness
+        > 0): its correction's importance weights multiply the terms (``training/staleness.py``)."""
         cfg = self.cfg
         # the teacher: its TeacherScores, or its dense tempered logits
         scores = teacher if isinstance(teacher, TeacherScores) else TeacherScores(logits=teacher)
@@ -184,6 +189,8 @@ class Objective:
         # defined anyway; only the log S metric leaves it out.
         outside = mask.bool() & (s0.exp() == 0)
         m = mask.bool() & ~outside if on_policy else mask.bool()
+        stale = self.correction is not None and behaviour_logprobs is not None and on_policy
+        cost_s = behaviour_logprobs.to(s0.dtype) if stale and self.correction.stored_costs else None
 
         per_position: dict[str, torch.Tensor] = {}  # estimator/* diagnostics of a top-k estimator
         if not on_policy:
@@ -192,7 +199,7 @@ class Objective:
             advantages = -kl_coef * d_exact.detach()
             clipped, trained_exact = None, d_exact.detach()
         else:
-            per_token, advantages, clipped, trained_exact, per_position = self._on_policy(student_z, scores, response_ids, m, s, t)
+            per_token, advantages, clipped, trained_exact, per_position = self._on_policy(student_z, scores, response_ids, m, s, t, cost_s)
 
         if counted is None:
             counted = self.positions.counted(mask)
@@ -202,6 +209,10 @@ class Objective:
         )
         if reward_advantages is not None and on_policy:  # reward.coef > 0, after the position weights (training/reward.py)
             per_token, advantages = with_reward(per_token, advantages, reward_advantages, s, ppo=cfg.loss.name is LossName.ppo)
+        stale_sums, stale_maxes = {}, {}
+        if stale:  # after the weights and the reward: every term of a stale row is reweighted
+            w, stale_sums, stale_maxes = self.correction.weights(s0, behaviour_logprobs, m)
+            per_token = per_token * w
         loss = torch.where(counted, per_token, zero).sum() / max(float(normalizer), 1.0)
 
         with torch.no_grad():
@@ -236,8 +247,9 @@ class Objective:
             counts = {OUTSIDE: float(outside.sum())} if on_policy else {}
         return Output(
             loss=loss,
-            sums=sums,
+            sums={**sums, **stale_sums},
             counts=counts,
+            maxes=stale_maxes,
             advantages=advantages.detach(),
             counted=counted,
             logprobs=s0,
@@ -253,7 +265,7 @@ class Objective:
             v = v + filtered_value(d, student_z, teacher_z, mask=m, chunk_size=self.cfg.estimator.chunk_size).to(v.dtype)
         return v
 
-    def _on_policy(self, student_z, scores: TeacherScores, y, m, s, t):
+    def _on_policy(self, student_z, scores: TeacherScores, y, m, s, t, cost_s=None):
         """The registered estimator's terms (``training/estimators.py``): one call, no name test."""
-        est = self.estimator(StepInputs(self, student_z, scores, y, m, s, t))
+        est = self.estimator(StepInputs(self, student_z, scores, y, m, s, t, cost_s))
         return est.per_token, est.advantages, est.clipped, est.exact, est.per_position

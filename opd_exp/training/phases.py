@@ -47,6 +47,12 @@ class PhaseClock:
         """Forget what was counted outside a step (an eval's teacher calls)."""
         self.totals, self._inner = dict.fromkeys(PHASES, 0.0), 0.0
 
+    def take_for(self, batch, device: torch.device | None = None) -> dict[str, float]:
+        """``take`` for a step's ``Batch``: its response tokens sampled and scored, its own tokens trained."""
+        return self.take(
+            sampled=batch.num_response_tokens, scored=batch.num_response_tokens, trained=batch.num_trained_tokens, device=device
+        )
+
     def take(self, *, sampled: int, scored: int, trained: int, device: torch.device | None = None) -> dict[str, float]:
         t, self.totals = self.totals, dict.fromkeys(PHASES, 0.0)
         out = {f"perf/{p}_s": t[p] for p in PHASES}

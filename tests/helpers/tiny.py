@@ -83,6 +83,7 @@ def small_config(**groups):
     (an enum field may be given as its string; each group's class and enums come from the schema)."""
     import dataclasses
     import enum
+    import types
     import typing
 
     from opd_exp.config import schema as S
@@ -117,6 +118,8 @@ def small_config(**groups):
         conv = {}
         for k, v in fields.items():
             t = hints.get(k)
+            if typing.get_origin(t) in (typing.Union, types.UnionType):  # Optional[Enum]: the enum
+                t = next((a for a in typing.get_args(t) if a is not type(None)), t)
             is_enum = isinstance(t, type) and issubclass(t, enum.Enum)
             conv[k] = t(v) if is_enum and isinstance(v, str) else v
         assert dataclasses.is_dataclass(cls), g
