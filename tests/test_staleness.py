@@ -204,20 +204,22 @@ def _same(a, b):
                 assert ra[key] == rb[key], (ra["step"], key)
 
 
+@pytest.mark.slow  # each run starts a producer process
 @pytest.mark.parametrize("k", [1, 2])
 def test_a_stale_run_trains_on_rollouts_k_updates_old_and_is_the_same_run_twice(fresh_pair, tmp_path, k):
-    _run(fresh_pair, tmp_path / "a", 5, staleness=k, correction="recompute")
-    _run(fresh_pair, tmp_path / "b", 5, staleness=k, correction="recompute")
+    _run(fresh_pair, tmp_path / "a", 4, staleness=k, correction="recompute")
+    _run(fresh_pair, tmp_path / "b", 4, staleness=k, correction="recompute")
     a, b = _rows(tmp_path / "a"), _rows(tmp_path / "b")
     _same(a, b)  # what the producer samples is a function of (seed, step, weights), never of timing
     train = [r for r in a if "async/staleness" in r]
-    assert [r["async/staleness"] for r in train] == [min(s, k) for s in range(5)]
+    assert [r["async/staleness"] for r in train] == [min(s, k) for s in range(4)]
     assert all(r["async/is_weight_mean"] > 0 and r["async/is_weight_max"] > 0 for r in train)
     assert train[0]["async/is_weight_mean"] == pytest.approx(1.0, abs=1e-4)  # step 1: sampled by the weights it trains
     # later rollouts come from older weights: the trainer's log-probs part from the engine's
     assert max(r["rollout/logprob_gap"] for r in train[k:]) > 1e-3 > train[0]["rollout/logprob_gap"]
 
 
+@pytest.mark.slow
 def test_a_resumed_stale_run_equals_the_straight_one(fresh_pair, tmp_path):
     """The checkpoint holds the rollouts in flight (sampled by weights it no longer has)."""
     from opd_exp.runtime import checkpoint

@@ -158,9 +158,5 @@ def rollout_source(cfg: TrainConfig, engines: Engines, student, tokenizer, vocab
         drawn = [problems[i] for i in data_cursor.next(cfg.trainer.batch_size)]
         return [task.render_prompt(p, tok) for p in drawn for _ in range(cfg.rollout.n_samples)]
 
-    def engine_factory(model, tok):
-        return in_process_engine(train, model, tok, vocab_size, source="student", autocast=autocast)
-
-    return build_rollouts(
-        cfg, engines, student, tokenizer, vocab_size, phases=phases, plan=plan, cursor=cursor, engine_factory=engine_factory
-    )
+    spec = (train, vocab_size, autocast)  # the producer process builds in_process_engine from these
+    return build_rollouts(cfg, engines, student, tokenizer, vocab_size, phases=phases, plan=plan, cursor=cursor, engine_spec=spec)

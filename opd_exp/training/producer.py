@@ -2,33 +2,32 @@
 ``rollout.staleness`` = k updates ahead of the learner (``Producer``). The trainer asks one object
 ``generate(step, prompts, seeds, on_policy=)`` and never which it has.
 
-The producer (a thread beside the learner) samples a copy of the student with the lean/HF decoder of
-``rollout.engine``. The rollout of step m is sampled by the weights the learner had after
-max(0, m - k) updates: the learner publishes its weights at the start of every step, the producer
-loads each version it needs and runs at most k + 1 rollouts ahead, so what it samples is a function
-of (seed, step, weights), never of timing: each row is drawn from its own generator keyed by (seed,
-step, row) and its prompts come from a copy of the learner's data cursor (the learner checks they
-are the prompts it drew). The engine's log-probs of its samples are the behaviour policy's
-(``Batch.behaviour_logprobs``), which the correction's importance weights read
+The producer is a process of its own (so sampling and training overlap on two cores, never taking
+turns on one interpreter lock) holding a copy of the student and ``rollout.engine``'s in-process
+decoder. The rollout of step m is sampled by the weights the learner had after max(0, m - k)
+updates: at the start of every step the learner sends its weights, then the jobs they allow (the
+prompts of each step, drawn by the learner from a copy of its data cursor running ahead); each row
+is drawn from its own generator keyed by (seed, step, row). What is sampled is therefore a function
+of (seed, step, weights), never of timing. The engine's log-probs of its samples are the behaviour
+policy's (``Batch.behaviour_logprobs``), which the correction's importance weights read
 (``training/staleness.py``).
 
 Resume is exact: a checkpoint after step n holds the rollouts in flight (steps n .. n+k-1, sampled
 by weights the checkpoint no longer has: kept, not regenerated) and a resumed producer continues
 from step n+k with the checkpoint's weights.
-
-On CPU the thread overlaps sampling with training where torch's ops release the GIL; what that gains
-on a given machine is measured, not assumed (docs/benchmarks.md).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
-import threading
+import queue
 import time
 from typing import Any
 
 import torch
+import torch.multiprocessing as mp
 
 from opd_exp.runtime import distributed as dist_util
 from opd_exp.training.batch import Batch, Source
@@ -73,48 +72,58 @@ class Produced:
 
 
 class Producer:
-    """A thread that samples the rollout of step m with the weights of update max(0, m - k)."""
+    """A process beside the learner that samples the rollout of step m with the weights of update
+    max(0, m - k). The learner draws every prompt (from a copy of its data cursor, running ahead) and
+    sends, in order, its weights after each update and the jobs they allow; the producer answers
+    each job with a ``Produced``. Tensors travel through shared memory (torch.multiprocessing)."""
 
-    def __init__(self, cfg, student, tokenizer, vocab_size: int, *, engine_factory, plan, cursor: DataCursor, phases):
+    def __init__(self, cfg, student, tokenizer, vocab_size: int, *, engine_spec, plan, cursor: DataCursor, phases):
         self.k, self.seed, self.phases = cfg.rollout.staleness, cfg.seed, phases
-        self.student, self.plan, self.cursor = student, plan, cursor
-        self.model = copy.deepcopy(student).eval().requires_grad_(False)
-        # its own tokenizer: a fast tokenizer shared by two threads can fail ("Already borrowed")
-        self.tokenizer = copy.deepcopy(tokenizer)
-        self.engine = engine_factory(self.model, self.tokenizer)
-        self.cv = threading.Condition()
-        self.snapshots: dict[int, list[torch.Tensor]] = {}
+        self.student, self.tokenizer, self.plan, self.cursor = student, tokenizer, plan, cursor
+        self.engine_spec = engine_spec  # (train config, vocab size, autocast): what the producer builds its engine from
         self.ready: dict[int, Produced] = {}
-        self.thread: threading.Thread | None = None
-        self.error: BaseException | None = None
-        self.stopping = False
+        self.requested = -1  # the last step whose rollout was asked for
+        self.pending: dict[int, list[str]] = {}
+        self.lookahead: DataCursor | None = None
+        self.proc = self.jobs = self.results = None
         self.last: Produced | None = None
         self.learner_wait_s = 0.0
 
     # -- the learner's side ---------------------------------------------------------------
     def generate(self, step: int, prompts: list[str], seeds, *, on_policy: bool) -> Batch:
-        with self.phases("sync"):  # the weights after `step` updates, for the rollouts k steps on
-            snap = [p.detach().to("cpu", copy=True) for p in self.student.parameters()]
-        with self.cv:
-            self.snapshots[step] = snap
-            if self.thread is None:
-                self._start(step, prompts)
-            self.cv.notify_all()
-            t0 = time.perf_counter()
-            with self.phases("wait"):
-                while step not in self.ready and self.error is None:
-                    self.cv.wait(timeout=1.0)
-            self.learner_wait_s = time.perf_counter() - t0
-            if self.error is not None:
-                raise RuntimeError(f"rollout producer failed: {self.error!r}") from self.error
-            for m in [m for m in self.ready if m < step]:
-                del self.ready[m]
-            item = self.ready[step]
+        if self.proc is None:
+            self._start(step, prompts)
+        with self.phases("sync"):  # the weights after `step` updates: they sample the rollout k steps on
+            self.jobs.put(("weights", step, [p.detach().to("cpu", copy=True) for p in self.student.parameters()]))
+        while self.requested < step + self.k:  # every rollout these weights (or older ones) sample
+            m = self.requested + 1
+            rows = self.pending.pop(m) if m in self.pending else self.plan(self.lookahead, self.tokenizer)
+            self.jobs.put(("sample", m, max(0, m - self.k), rows))
+            self.requested = m
+        t0 = time.perf_counter()
+        with self.phases("wait"):
+            self._collect(lambda: step in self.ready)
+        self.learner_wait_s = time.perf_counter() - t0
+        for m in [m for m in self.ready if m < step]:
+            del self.ready[m]
+        item = self.ready[step]
         if item.prompts != list(prompts):
             raise RuntimeError(f"rollout producer: step {step} was sampled from other prompts than the learner drew (a bug)")
         self.phases.totals["generate"] += item.generate_s  # the producer's seconds, overlapped with the learner's
         self.last = item
         return dataclasses.replace(item.batch)
+
+    def _collect(self, done) -> None:
+        while not done():
+            try:
+                msg = self.results.get(timeout=5.0)
+            except queue.Empty:
+                if not self.proc.is_alive():
+                    raise RuntimeError(f"rollout producer: the process ended (exit code {self.proc.exitcode})") from None
+                continue
+            if isinstance(msg, str):
+                raise RuntimeError(f"rollout producer failed: {msg}")
+            self.ready[msg.step] = msg
 
     def metrics(self) -> dict[str, float]:
         item = self.last
@@ -127,19 +136,14 @@ class Producer:
         }
 
     def state(self, step: int) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-        """The rollouts in flight after ``step`` updates (steps step .. step+k-1): (JSON, tensors)."""
-        wanted = range(step, step + self.k)
-        with self.cv:
-            if self.thread is None:  # nothing sampled yet in this session: what was loaded
-                items = {m: self.ready[m] for m in wanted if m in self.ready}
-            else:
-                while not all(m in self.ready for m in wanted) and self.error is None:
-                    self.cv.wait(timeout=1.0)
-                if self.error is not None:
-                    raise RuntimeError(f"rollout producer failed: {self.error!r}") from self.error
-                items = {m: self.ready[m] for m in wanted}
+        """The rollouts in flight after ``step`` updates (steps step .. step+k-1): (JSON, tensors).
+        Each was asked for with weights this checkpoint's or older, so waiting for them ends."""
+        wanted = [m for m in range(step, step + self.k) if self.proc is not None or m in self.ready]
+        if self.proc is not None:
+            self._collect(lambda: all(m in self.ready for m in wanted))
         meta, tensors = {}, {}
-        for m, item in items.items():
+        for m in wanted:
+            item = self.ready[m]
             b = item.batch
             meta[str(m)] = {"prompts": item.prompts, "version": item.version, "prompt_len": b.prompt_len, "source": b.source.value}
             for f in dataclasses.fields(b):
@@ -155,63 +159,77 @@ class Producer:
             self.ready[int(m)] = Produced(int(m), list(info["prompts"]), batch, int(info["version"]), 0.0, 0.0)
 
     def close(self) -> None:
-        with self.cv:
-            self.stopping = True
-            self.cv.notify_all()
-        if self.thread is not None:
-            self.thread.join(timeout=30)
+        if self.proc is None:
+            return
+        with contextlib.suppress(Exception):
+            self.jobs.put(("stop",))
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.terminate()
+        self.proc = None
 
-    # -- the producer's side ----------------------------------------------------------------
     def _start(self, step: int, prompts: list[str]) -> None:
-        """First rollout wanted: ``step`` (its prompts already drawn by the learner; the learner's
-        cursor is past them). Loaded rollouts in flight continue the sequence."""
+        """First rollout wanted: ``step`` (its prompts already drawn by the learner, whose cursor is
+        past them). Rollouts loaded from a checkpoint continue the sequence."""
         loaded = sorted(m for m in self.ready if m >= step)
-        cursor = DataCursor(self.cursor.n, self.cursor.seed, **self.cursor.state_dict())  # after `step`'s prompts
+        self.lookahead = DataCursor(self.cursor.n, self.cursor.seed, **self.cursor.state_dict())
         for _ in range(max(0, len(loaded) - 1)):
-            self.plan(cursor, self.tokenizer)
-        first = step + len(loaded)
-        pending = {} if loaded else {step: list(prompts)}
-        self.thread = threading.Thread(target=self._loop, args=(first, cursor, pending), name="opd-rollout-producer", daemon=True)
-        self.thread.start()
-
-    def _loop(self, m: int, cursor: DataCursor, pending: dict[int, list[str]]) -> None:
-        loaded_version = None
-        try:
-            while True:
-                version = max(0, m - self.k)
-                t0 = time.perf_counter()
-                with self.cv:
-                    while version not in self.snapshots and not self.stopping:
-                        self.cv.wait(timeout=1.0)
-                    if self.stopping:
-                        return
-                    snap = self.snapshots[version]
-                    for v in [v for v in self.snapshots if v < version]:
-                        del self.snapshots[v]
-                wait_s = time.perf_counter() - t0
-                if loaded_version != version:
-                    with torch.no_grad():
-                        for mine, theirs in zip(self.model.parameters(), snap, strict=True):
-                            mine.copy_(theirs)
-                    loaded_version = version
-                prompts = pending.pop(m) if m in pending else self.plan(cursor, self.tokenizer)
-                seeds = dist_util.row_seeds(self.seed, m, range(len(prompts)))
-                t1 = time.perf_counter()
-                batch = self.engine.generate(prompts, seeds)
-                generate_s = time.perf_counter() - t1
-                batch = dataclasses.replace(batch, behaviour_logprobs=batch.sampling_logprobs.clone())
-                with self.cv:
-                    self.ready[m] = Produced(m, list(prompts), batch, version, generate_s, wait_s)
-                    self.cv.notify_all()
-                m += 1
-        except BaseException as ex:  # the learner raises it at its next wait
-            with self.cv:
-                self.error = ex
-                self.cv.notify_all()
+            self.plan(self.lookahead, self.tokenizer)
+        self.requested = step + len(loaded) - 1
+        if not loaded:
+            self.pending[step] = list(prompts)
+        ctx = mp.get_context("spawn")  # fork under torch's threads can deadlock
+        self.jobs, self.results = ctx.Queue(), ctx.Queue()
+        model = copy.deepcopy(self.student).to("cpu").eval().requires_grad_(False)
+        self.proc = ctx.Process(
+            target=_produce,
+            args=(model, self.tokenizer, self.engine_spec, self.seed, self.jobs, self.results),
+            name="opd-rollout-producer",
+            daemon=True,
+        )
+        self.proc.start()
 
 
-def build_rollouts(cfg, engines, student, tokenizer, vocab_size: int, *, phases, plan, cursor, engine_factory):
+def _produce(model, tokenizer, engine_spec, seed: int, jobs, results) -> None:
+    """The producer process: weights in the order the learner sends them, each job sampled by the
+    version it names (sent before it), one ``Produced`` back per job."""
+    from opd_exp.training.engines import in_process_engine
+
+    torch.set_num_threads(1)
+    cfg, vocab_size, autocast = engine_spec
+    engine = in_process_engine(cfg, model, tokenizer, vocab_size, source="student", autocast=autocast)
+    weights: dict[int, list[torch.Tensor]] = {}
+    loaded = None
+    try:
+        while True:
+            t0 = time.perf_counter()
+            msg = jobs.get()
+            if msg[0] == "stop":
+                return
+            if msg[0] == "weights":
+                weights[msg[1]] = msg[2]
+                continue
+            _, m, version, prompts = msg
+            wait_s = time.perf_counter() - t0
+            if loaded != version:
+                with torch.no_grad():
+                    for mine, theirs in zip(model.parameters(), weights[version], strict=True):
+                        mine.copy_(theirs)
+                loaded = version
+                for v in [v for v in weights if v < version]:
+                    del weights[v]
+            seeds = dist_util.row_seeds(seed, m, range(len(prompts)))
+            t1 = time.perf_counter()
+            batch = engine.generate(prompts, seeds)
+            generate_s = time.perf_counter() - t1
+            batch = dataclasses.replace(batch, behaviour_logprobs=batch.sampling_logprobs.clone())
+            results.put(Produced(m, list(prompts), batch, version, generate_s, wait_s))
+    except BaseException as ex:  # the learner raises it at its next wait
+        results.put(f"{type(ex).__name__}: {ex}")
+
+
+def build_rollouts(cfg, engines, student, tokenizer, vocab_size: int, *, phases, plan, cursor, engine_spec):
     """``rollout.staleness``: 0 samples in the loop, k > 0 a producer k updates ahead."""
     if not cfg.rollout.staleness:
         return InLoop(engines, student, phases)
-    return Producer(cfg, student, tokenizer, vocab_size, engine_factory=engine_factory, plan=plan, cursor=cursor, phases=phases)
+    return Producer(cfg, student, tokenizer, vocab_size, engine_spec=engine_spec, plan=plan, cursor=cursor, phases=phases)
