@@ -182,7 +182,7 @@ def test_served_scores_equal_the_in_process_teacher(tiny_pair, fake):
     }
     assert len(client.identity()["teacher.server.tokenizer_hash"]) == 16
     gaps = client.self_test(local, ids=list(range(2, 12)))
-    assert gaps["repeat"] == 0.0 and gaps["in_process"] <= 1e-6
+    assert gaps["repeat"] == 0.0 and gaps["shared_prefix"] <= 1e-6 and gaps["in_process"] <= 1e-6
     client.close()
 
 
@@ -259,6 +259,41 @@ def test_another_teacher_behind_the_url_fails_the_self_test(tiny_pair, tmp_path)
         server.stop()
 
 
+# -- a served teacher: prefix caching off, and refused where its scores depend on the batch -------
+
+
+def test_opd_serve_teacher_starts_vllm_with_prefix_caching_off():
+    from opd_exp.cli.serve_teacher import ServeOptions, vllm_command
+
+    for device in ("cpu", "cuda"):
+        cmd = vllm_command(ServeOptions(folder="/models/t", port=8001, device=device))
+        assert cmd.count("--no-enable-prefix-caching") == 1 and "--enable-prefix-caching" not in cmd
+
+
+def test_a_server_whose_scores_move_with_a_shared_prefix_fails_the_self_test(tiny_pair, tmp_path):
+    """Before: the self-test scored one sequence twice, alone; a server whose prompt_logprobs change
+    when a prompt sharing the prefix comes first in the batch (prefix caching) passed."""
+    server = FakeVllm(tiny_pair.teacher, tiny_pair.tokenizer, tiny_pair.vocab_size)
+    try:
+        cfg = dataclasses.replace(
+            small_config(estimator={"name": "topk", "k": 4}),
+            teacher=TeacherConfig(name=TeacherName.served, url=server.url, retries=0, backoff_s=0.0),
+        )
+        Trainer(cfg, tmp_path / "ok", pair=tiny_pair, task=AddTask())  # an honest server passes
+        assert server.completions == 3 and server.prompts_seen == [1, 1, 2]  # alone twice, then beside its sibling
+        server.shared_prefix_shift = 0.05
+        with pytest.raises(ConfigError) as err:
+            Trainer(cfg, tmp_path / "cached", pair=tiny_pair, task=AddTask())
+        line = str(err.value)
+        assert line.startswith(f"teacher.url={server.url} (model 'teacher'): a sequence scored in one request after a prompt sharing")
+        assert "differs from it scored alone by 0.05 nats (> teacher.self_test_atol=0.001)" in line
+        assert line.endswith(
+            "allowed: a server started with --no-enable-prefix-caching (opd-serve-teacher does), or a larger teacher.self_test_atol"
+        )
+    finally:
+        server.stop()
+
+
 def test_server_down_or_wrong_port_is_one_line(tiny_pair, tmp_path):
     cfg = small_config(estimator={"name": "topk", "k": 4})
     url = f"http://127.0.0.1:{free_port()}"
@@ -323,7 +358,7 @@ def test_server_killed_mid_run_stops_with_a_checkpoint_and_resumes(tiny_pair, fa
     Trainer(served(cfg, fake.url), tmp_path / "whole", pair=full_pair, task=AddTask()).run()
     whole = losses(tmp_path / "whole")
 
-    fake.completions, fake.stop_after = 0, 2 * 2 + 1 + 2  # self-test (2) + 2 steps (4 requests) + 1 of step 3
+    fake.completions, fake.stop_after = 0, 3 + 2 * 2 + 1  # self-test (3) + 2 steps (4 requests) + 1 of step 3
     run = tmp_path / "cut"
     with pytest.raises(ConfigError) as ex:
         Trainer(served(cfg, fake.url, retries=1, backoff_s=0.01), run, pair=tiny_pair, task=AddTask()).run()

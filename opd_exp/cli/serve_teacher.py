@@ -3,7 +3,7 @@
 Composes opd-train's config (every ``key=value`` that is not one of this command's own keys is an
 opd-train override: ``model_pair=...``, ``teacher.model=...``, ``teacher.k=...``), prepares the
 pair's teacher folder, starts ``python -m vllm.entrypoints.openai.api_server`` on it with the
-flags the served-teacher client needs, waits until ``/v1/models`` answers, prints the
+flags the served-teacher client needs (prefix caching off), waits until ``/v1/models`` answers, prints the
 ``teacher.url=...`` overrides to give opd-train, and stops the server (its whole process group)
 on Ctrl-C or SIGTERM. docs/engines.md has the same flags for a GPU ``vllm serve``.
 
@@ -66,10 +66,13 @@ class ServeOptions:
 
 
 def vllm_command(o: ServeOptions) -> list[str]:
-    """The server's command line: the flags the client relies on (name, log-prob cap, length)."""
+    """The server's command line: the flags the client relies on (name, log-prob cap, length), and
+    prefix caching off: with it on, a prompt's ``prompt_logprobs`` depend on which prompts came before
+    it (vLLM #42245), which the client's self-test refuses."""
     cmd = [o.python, "-m", "vllm.entrypoints.openai.api_server", "--model", o.folder, "--served-model-name", o.name]
     cmd += ["--host", o.host, "--port", str(o.port), "--dtype", o.dtype, "--max-model-len", str(o.max_model_len)]
     cmd += ["--max-logprobs", str(o.max_logprobs), "--gpu-memory-utilization", str(o.gpu_memory_utilization), "--seed", "0"]
+    cmd.append("--no-enable-prefix-caching")
     if o.device == "cpu":
         cmd.append("--enforce-eager")  # no torch.compile of the CPU model at start-up (minutes on a few cores)
     return cmd + list(o.extra)

@@ -16,10 +16,12 @@ positions and tokens asked for, probabilities summing to at most 1. After a fail
 server must still be the teacher ``connect`` saw. Before training (``connect``): the server answers, serves
 ``teacher.model`` (``/v1/models``), tokenizes like the local tokenizer (``/tokenize`` of a probe
 string, hashed), fits the run's lengths (``max_model_len``) and allows ``teacher.k`` (vLLM's
-``--max-logprobs``); ``self_test`` scores one sequence twice and, with the pair's in-process
-teacher, compares the two. Each problem is one line naming the server, the model, what is wrong
-and what is allowed. A server lost mid-run raises ``TeacherUnavailable`` after the retries:
-the trainer stops at the step boundary with a checkpoint (never a step on partial scores).
+``--max-logprobs``); ``self_test`` scores one sequence twice, then once more in one request after a
+prompt that shares its prefix (prefix caching makes vLLM's ``prompt_logprobs`` depend on that:
+vLLM #42245), and, with the pair's in-process teacher, compares them. Each problem is one line
+naming the server, the model, what is wrong and what is allowed. A server lost mid-run raises
+``TeacherUnavailable`` after the retries: the trainer stops at the step boundary with a checkpoint
+(never a step on partial scores).
 """
 
 from __future__ import annotations
@@ -327,15 +329,20 @@ class ServedTeacher(TeacherScorer):
 
     @torch.no_grad()
     def self_test(self, reference: InProcessTeacher | None, ids: list[int] | None = None) -> dict[str, float]:
-        """Score one sequence twice (replicas behind one URL must agree) and, with ``reference``
-        (the pair's teacher in this process), compare with it; ConfigError beyond
-        ``teacher.self_test_atol``. Returns the largest differences (nats)."""
+        """Score one sequence twice (replicas behind one URL must agree), then in one request after a
+        prompt sharing its prefix (a server whose scores depend on that, prefix caching on, is
+        refused) and, with ``reference`` (the pair's teacher in this process), compare with it;
+        ConfigError beyond ``teacher.self_test_atol``. Returns the largest differences (nats)."""
         if ids is None:
             ids = list(self.tokenizer(PROBE, add_special_tokens=False)["input_ids"]) if self.tokenizer is not None else list(range(1, 17))
         ids = [int(i) for i in ids]
         batch = probe_batch(ids)
+        sibling = _sibling(ids, self.vocab_size)  # the probe's prompt, another response
         try:
             first, second = (self._score_now(batch) for _ in range(2))
+            # the sibling, then the probe, in ONE request: the probe's prefix is already in the server's batch
+            pair = probe_batch(sibling, ids)
+            shared = _row(_Requests(self, pair, [(range(2), self._pool.submit(self._request, [sibling, ids]))]).result(), 1)
         except TeacherUnavailable as ex:
             raise ConfigError(f"{ex}") from None
         atol = self.te.self_test_atol
@@ -344,6 +351,14 @@ class ServedTeacher(TeacherScorer):
             raise ConfigError(
                 f"{self._where()}: the same sequence scored twice differs by {out['repeat']:.3g} nats (> teacher.self_test_atol={atol:g}): "
                 "replicas or a nondeterministic server disagree; allowed: one teacher behind the URL, or a larger teacher.self_test_atol"
+            )
+        out["shared_prefix"] = _max_gap(first, shared, batch)
+        if out["shared_prefix"] > atol:
+            raise ConfigError(
+                f"{self._where()}: a sequence scored in one request after a prompt sharing its first {batch.prompt_len} tokens differs "
+                f"from it scored alone by {out['shared_prefix']:.3g} nats (> teacher.self_test_atol={atol:g}): the server's "
+                "prompt_logprobs depend on what shares the batch (vLLM's prefix caching, vLLM #42245); allowed: a server started with "
+                "--no-enable-prefix-caching (opd-serve-teacher does), or a larger teacher.self_test_atol"
             )
         if reference is not None:
             dense = reference.score(batch)
@@ -535,21 +550,39 @@ def _sequences(batch: Batch) -> list[tuple[list[int], int, int]]:
     return out
 
 
-def probe_batch(ids: list[int]) -> Batch:
-    """One sequence as a batch: its first half the prompt, the rest the response."""
+def probe_batch(ids: list[int], *more: list[int]) -> Batch:
+    """One sequence as a batch (or several of its length, one row each): the first half of each the
+    prompt, the rest the response."""
     n = len(ids)
-    if n < 2:
-        raise ValueError("probe_batch: at least two tokens")
+    if n < 2 or any(len(r) != n for r in more):
+        raise ValueError("probe_batch: at least two tokens, every row as long as the first")
     P = max(1, n // 2)
-    t = torch.tensor([ids])
+    t = torch.tensor([ids, *more])
+    rows = t.shape[0]
     return Batch(
         input_ids=t,
         attention_mask=torch.ones_like(t),
-        position_ids=torch.arange(n).unsqueeze(0),
+        position_ids=torch.arange(n).expand(rows, n).clone(),
         prompt_len=P,
-        response_mask=torch.ones(1, n - P, dtype=torch.bool),
-        prompt_index=torch.zeros(1, dtype=torch.long),
+        response_mask=torch.ones(rows, n - P, dtype=torch.bool),
+        prompt_index=torch.zeros(rows, dtype=torch.long),
     )
+
+
+def _sibling(ids: list[int], vocab_size: int) -> list[int]:
+    """``ids`` with the same prompt (``probe_batch``'s first half) and another response (reversed,
+    or each id moved by one where reversing changes nothing)."""
+    P = max(1, len(ids) // 2)
+    tail = ids[P:][::-1]
+    if tail == ids[P:]:
+        tail = [(i + 1) % vocab_size for i in tail]
+    return ids[:P] + tail
+
+
+def _row(scores: TeacherScores, i: int) -> TeacherScores:
+    """Row ``i`` of ``scores`` as a one-row payload."""
+    pick = lambda x: None if x is None else x[i : i + 1]
+    return TeacherScores(pick(scores.logits), pick(scores.topk_ids), pick(scores.topk_logprobs), pick(scores.sampled_logprobs))
 
 
 def _sparse_from_dense(logits: torch.Tensor, ids: torch.Tensor, k: int) -> TeacherScores:

@@ -6,7 +6,9 @@ with a local HF model: per prompt position i >= 1 the top-k of log softmax(logit
 the tokenizer's vocabulary plus the actual token, each ``{logprob, rank, decoded_token}``. Faults
 are switched on by attributes: ``mode`` (``ok``, ``malformed``, ``slow``, ``error500``),
 ``max_logprobs`` (vLLM's 400 above it), ``tokenize_shift`` (another tokenizer), ``stop_after``
-(the server goes away after that many completions, as if killed).
+(the server goes away after that many completions, as if killed), ``shared_prefix_shift`` (nats
+taken off every log-prob of a prompt whose first half an earlier prompt of the same request
+shares: prefix caching that changes ``prompt_logprobs``, vLLM #42245).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ class FakeVllm:
         self.name, self.root, self.max_model_len = name, root, max_model_len
         self.mode, self.max_logprobs, self.tokenize_shift, self.stop_after = "ok", 64, 0, None
         self.slow_s = 5.0
+        self.shared_prefix_shift = 0.0
         self.completions = 0  # completion requests answered
         self.prompts_seen: list[int] = []  # prompts per completion request
         self._lock = threading.Lock()
@@ -110,6 +113,11 @@ class FakeVllm:
                 choices = []
                 for i, ids in enumerate(prompts):
                     plp = "garbage" if fake.mode == "malformed" else fake.prompt_logprobs(ids, k)
+                    half = max(1, len(ids) // 2)
+                    if fake.shared_prefix_shift and plp != "garbage" and any(p[:half] == ids[:half] for p in prompts[:i]):
+                        for entry in plp[1:]:
+                            for v in entry.values():
+                                v["logprob"] -= fake.shared_prefix_shift
                     choices.append({"index": i, "text": "", "prompt_logprobs": plp, "finish_reason": "length"})
                 self._send(200, {"object": "text_completion", "model": fake.name, "choices": choices})
 
