@@ -23,10 +23,11 @@ and in what they do about the rest (the tail):
   p log(p/q) - p + q of the unnormalised masses, no tail. It equals KL - G_tail, G_tail = the
   same sum over the entries outside K; every term is >= 0, so it is biased low by exactly
   G_tail (0 only where S = T on the whole tail), its gradient by -grad G_tail. KL only.
-* ``verl_topk`` (verl's ``*_topk`` losses): phi over the union of both top-k sets with
-  log-probs floored at log(eps), no tail, the per-token loss clamped at 0. Biased: where no
-  floor or clamp acts its bias is -sum_{v not in K} phi_v; where the clamp acts the value is 0
-  and the gradient vanishes (``clamped``, for ``estimator/clamp_rate``).
+* ``verl_topk`` (the ``*_topk`` losses of verl PR #5041's draft, never released): phi over the
+  union of both top-k sets with log-probs floored at log(eps), no tail, the per-token loss
+  clamped at 0. Biased: where no floor or clamp acts its bias is -sum_{v not in K} phi_v; where
+  the clamp acts the value is 0 and the gradient vanishes (``clamped``, for
+  ``estimator/clamp_rate``). It is NOT verl v0.8.0's released ``forward_kl_topk`` (below).
 
 Each returns a ``TopkEstimate`` with the truncation diagnostics T(K) and S(K) per position.
 ``TOPK_ESTIMATORS`` lists them (with ``topk`` and ``topk_renorm`` of ``topk.py``) under one
@@ -258,10 +259,19 @@ def verl_topk(
     eps: float = 1e-8,
     loss_clamp: float | None = None,
 ) -> TopkEstimate:
-    """verl's ``forward_kl_topk`` / ``reverse_kl_topk`` / ``jsd_topk`` as a peer baseline: phi over
-    the union of the student's and the teacher's top-k (each id once), both full-vocabulary
-    log-probs floored at log(eps), no tail; the per-token loss capped at ``loss_clamp`` (verl's
-    ``loss_clamp``, off by default) and clamped at 0. A direct loss (surrogate = value).
+    """The ``forward_kl_topk`` / ``reverse_kl_topk`` / ``jsd_topk`` of verl PR #5041's draft
+    (volcengine/verl commit 3baac345, ``verl/trainer/distillation/losses.py``; never in a release)
+    as a peer baseline: phi over the union of the student's and the teacher's top-k (each id
+    once), both full-vocabulary log-probs floored at log(eps), no tail; the per-token loss capped
+    at ``loss_clamp`` (that draft's ``loss_clamp``, off by default) and clamped at 0. A direct loss
+    (surrogate = value). The tests replay that draft's code exactly (``verl_reference``).
+
+    NOT verl's released loss: verl v0.8.0 (the first release with distillation; v0.9.0 alike) has
+    ``forward_kl_topk`` only, summed over the TEACHER's top-k alone, log-probs floored at
+    ``log_prob_min_clamp=-10``, clamped at 0 and to +-``loss_max_clamp=10``. On the 27 forward-KL
+    cases of ``tests/test_topk_variants.py`` (9 logit pairs x k = 1, 2, 3; 99 positions) this
+    function differs from it on 21 cases (57 positions), by up to 4.63 nats (0.68 on the 8 random
+    pairs; docs/divergences.md).
 
     BIASED: the tail's share of D is missing (bias -sum_{v not in K} phi_v where the floor and the
     clamps are inactive); where the truncated sum is negative the clamp sets it, and its gradient,
@@ -357,7 +367,7 @@ TOPK_ESTIMATORS: dict[str, TopkEstimator] = {
             "topk_verl",
             "student's and teacher's top-k, log-probs floored at 1e-8, loss clamped at 0",
             False,
-            "verl *_topk",
+            "verl PR #5041 draft *_topk (unreleased; not v0.8.0's forward_kl_topk)",
             _dense_verl,
             False,
         ),
