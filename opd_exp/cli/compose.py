@@ -132,6 +132,7 @@ def build_inputs(cfg: TrainConfig, task=None) -> dict:
     """The task and the model pair a config names (the data is read before any model loads;
     ``task``: one ``read_task`` already gave)."""
     from opd_exp.pairs import load_pair
+    from opd_exp.pairs.load import check_teacher_is_not_student
     from opd_exp.pairs.teacher_map import load_map_teacher
     from opd_exp.runtime import distributed
 
@@ -140,6 +141,7 @@ def build_inputs(cfg: TrainConfig, task=None) -> dict:
         task = read_task(cfg)
     device = distributed.device_for(cfg.scale.device, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     pair = load_pair(cfg.model_pair, cfg.task, device)
+    check_teacher_is_not_student(cfg, pair)  # a copy of the student in another folder, with nothing to distil
     task.check_tokenizer(pair.tokenizer)  # e.g. a chat task on a tokenizer without a chat template
     # teachers.map's models are loaded by the pairs package, handed to the trainer with the pair
     return {"task": task, "pair": pair, "load_map_teacher": load_map_teacher}

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 
 from opd_exp.config.checks import check as _check
 from opd_exp.config.checks import fail as _fail
@@ -44,6 +45,12 @@ TeacherName = RegistryChoice("TeacherName", [(n, n) for n in BUILT_IN])
 FROM_STUDENT = ("ema", "lagged", "live")  # kinds whose weights are the student's
 ALIGN = ("none", "bytes")  # teacher.align
 ALIGN_PLACEMENTS = ("sequence", "chunk")  # teacher.align_placement (divergences.chunks.PLACEMENTS)
+# what a teacher that is the student may do instead (here and in pairs.load.check_teacher_is_not_student)
+SELF_TEACHER_ALLOWED = (
+    "teacher.privileged=solution|answer (the student with privileged context as its own teacher), "
+    "or teacher=ema|lagged (self-distillation, named; a frozen copy of the starting student, as a negative control: "
+    "teacher=lagged with teacher.refresh_every above trainer.max_steps)"
+)
 
 
 class Privileged(Enum):
@@ -157,6 +164,7 @@ def validate_teacher(cfg) -> None:
         )
     if te.align == "bytes":
         validate_align(cfg)
+    validate_not_the_student(cfg)
     if not te.served:
         return
     if te.privileged is not Privileged.none:
@@ -177,6 +185,32 @@ def validate_teacher(cfg) -> None:
     k = te.k if te.k is not None else cfg.estimator.k
     if cfg.estimator.name.value in ("topk", "topk_renorm", "topk_generalized_kl") and cfg.estimator.k > k:
         _fail("estimator.k", cfg.estimator.k, f"at most teacher.k={k} with teacher=served (the server sends its top-{k})")
+
+
+def validate_not_the_student(cfg) -> None:
+    """The pair's teacher is the student's own model (the same value, or two paths to one folder)
+    and has nothing the student lacks (``teacher.privileged=none``): D(S || S) = 0 at every token,
+    a run that trains on nothing. One line before anything loads (a copy in another folder is
+    refused once the pair is loaded: ``pairs.load.check_teacher_is_not_student``)."""
+    te, pair = cfg.teacher, cfg.model_pair
+    if te.privileged is not Privileged.none or te.name.value not in ("in_process", "served") or cfg.teachers.active:
+        return
+    student, teacher = getattr(pair, "student", None), getattr(pair, "teacher", None)  # the schema's "???" before a pair is set
+    if isinstance(student, str) and isinstance(teacher, str) and student.strip() and same_source(student, teacher):
+        _fail(
+            "model_pair.teacher",
+            teacher,
+            f"a teacher other than the student (model_pair.student={student!r} is the same model: the student scoring its own "
+            f"tokens gives zero signal), or {SELF_TEACHER_ALLOWED}",
+        )
+
+
+def same_source(student: str, teacher: str) -> bool:
+    """Whether two ``model_pair`` values name one model: the same string, or two paths to one folder."""
+    if student == teacher:
+        return True
+    a, b = Path(student).expanduser(), Path(teacher).expanduser()
+    return a.is_dir() and b.is_dir() and a.resolve() == b.resolve()
 
 
 def validate_align(cfg) -> None:

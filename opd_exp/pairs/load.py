@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from opd_exp.config.checks import fail
+from opd_exp.config.teacher import SELF_TEACHER_ALLOWED
 from opd_exp.config.world import ModelPairConfig, as_pair_config, as_task_config  # noqa: F401
 from opd_exp.runtime.errors import ConfigError, first_line
 
@@ -188,8 +189,10 @@ def preflight(
 
     Fails with one ``ConfigError`` line on: a missing local folder, a model that needs
     ``trust_remote_code`` when it is not allowed, tokenizers that map the same text to
-    different ids, or an embedding smaller than the tokenizer. Different embedding sizes that
-    both cover the tokenizer are fine (logged): only the tokenizer's ids are compared.
+    different ids, end-of-sequence ids that differ (``eos_ids``: the student's rollouts end where
+    the teacher would not, and OPD lengths grow without end), or an embedding smaller than the
+    tokenizer. Different embedding sizes that both cover the tokenizer are fine (logged): only the
+    tokenizer's ids are compared.
     """
     cfg = as_pair_config(pair_cfg)
     if student_path is None or teacher_path is None:
@@ -212,9 +215,10 @@ def preflight(
     if cfg.tokenizer:
         others.insert(0, ("model_pair.student", student_path, True))
     ids = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
+    own_tokenizers = {tok_key: tokenizer}
     for key, where, optional in others:
         try:
-            own = _load_tokenizer(key, where, trust)
+            own = own_tokenizers[key] = _load_tokenizer(key, where, trust)
         except ConfigError:
             if optional:
                 continue
@@ -228,6 +232,9 @@ def preflight(
                 f"than {shared} {tok_where!r} ({len(tokenizer)} tokens; first difference at probe token {first}); "
                 f"allowed: a teacher and student that share one tokenizer"
             )
+
+    paths = {"model_pair.student": student_path, "model_pair.teacher": teacher_path}
+    check_eos({key: eos_ids(where, configs[key], own_tokenizers.get(key, tokenizer)) for key, where in paths.items()}, teacher_path)
 
     vocab = len(tokenizer)
     rows = {}
@@ -250,6 +257,98 @@ def preflight(
             vocab,
         )
     return PreflightResult(student_path, teacher_path, tok_where, vocab, s_rows, t_rows)
+
+
+def _generation_config(where: str) -> dict | None:
+    """generation_config.json of a local folder or hub id as a dict; None where it has none (or the
+    hub cannot be asked: transformers then derives one from config.json, as ``eos_ids`` does)."""
+    local = Path(where)
+    path: Any = local / "generation_config.json" if local.is_dir() else None
+    if path is None:
+        try:
+            from transformers.utils import cached_file
+
+            path = cached_file(where, "generation_config.json", _raise_exceptions_for_missing_entries=False)
+        except Exception:
+            return None
+    try:
+        data = json.loads(Path(path).read_text()) if path is not None and Path(path).is_file() else None
+    except ValueError:
+        raise ConfigError(f"{path} is not valid JSON; allowed: a generation_config.json written by save_pretrained") from None
+    return data if isinstance(data, dict) else None
+
+
+def _as_ids(value: Any) -> list[int]:
+    return sorted({int(i) for i in (value if isinstance(value, (list, tuple)) else [value]) if i is not None})
+
+
+@dataclass(frozen=True)
+class EosIds:
+    """A model's end-of-sequence ids: its generation config's ``eos_token_id`` (an id or a list) and
+    its own tokenizer's ``eos_token_id``; ``ids`` is their union (what a rollout stops at)."""
+
+    generation: list[int]
+    tokenizer: list[int]
+
+    @property
+    def ids(self) -> list[int]:
+        return sorted(set(self.generation) | set(self.tokenizer))
+
+    def __str__(self) -> str:
+        return f"{self.ids} (generation_config eos_token_id {self.generation}, tokenizer eos {self.tokenizer})"
+
+
+def eos_ids(where: str, config: dict, tokenizer) -> EosIds:
+    """``where``'s end-of-sequence ids: generation_config.json's eos_token_id where the folder has
+    that file, else config.json's (transformers derives the generation config from it), and the
+    tokenizer's eos."""
+    gen = _generation_config(where)
+    src = gen if gen is not None else config
+    value = src.get("eos_token_id")
+    if value is None and gen is None and isinstance(config.get("text_config"), dict):
+        value = config["text_config"].get("eos_token_id")
+    return EosIds(_as_ids(value), _as_ids(getattr(tokenizer, "eos_token_id", None)))
+
+
+def check_eos(eos: dict[str, EosIds], teacher_where: str) -> None:
+    """One line where the teacher's end-of-sequence ids are not the student's (same tokenizer): the
+    teacher would score the student's end as an unlikely token, the student learns not to stop, and
+    OPD lengths grow without end (ms-swift #9526). The fix named: the student's ids in the teacher's
+    generation_config.json (and tokenizer_config.json where its tokenizer's eos differs)."""
+    student, teacher = eos["model_pair.student"], eos["model_pair.teacher"]
+    if student.ids == teacher.ids:
+        return
+    also = "" if set(teacher.tokenizer) <= set(student.ids) else " (and eos_token in its tokenizer_config.json to one of them)"
+    raise ConfigError(
+        f"model_pair.teacher: its end-of-sequence ids {teacher} differ from the student's {student}: the teacher would "
+        f"score the student's end of sequence as an unlikely token and OPD lengths grow without end; allowed: one set of "
+        f'end-of-sequence ids for both, e.g. "eos_token_id": {student.ids} in {teacher_where}/generation_config.json{also}'
+    )
+
+
+def same_weights(student, teacher) -> bool:
+    """Whether two loaded models hold the same tensors under the same names (stops at the first that differs)."""
+    import torch
+
+    a, b = student.state_dict(), teacher.state_dict()
+    if a.keys() != b.keys() or any(a[k].shape != b[k].shape or a[k].dtype != b[k].dtype for k in a):
+        return False
+    return all(torch.equal(a[k], b[k].to(a[k].device)) for k in a)
+
+
+def check_teacher_is_not_student(cfg: Any, pair: LoadedPair) -> None:
+    """A loaded pair whose teacher holds the student's weights, tensor for tensor (a copy in
+    another folder), with nothing to distil (``teacher.privileged=none``, the pair's teacher
+    scoring): one line before training. The same folder twice is refused with the config."""
+    te = cfg.teacher
+    if te.privileged.value != "none" or te.name.value not in ("in_process", "served") or cfg.teachers.active:
+        return
+    if same_weights(pair.student, pair.teacher):
+        raise ConfigError(
+            f"model_pair.teacher={pair.teacher_path!r} is not allowed; allowed: a teacher whose weights differ from the student's "
+            f"(they equal those of model_pair.student={pair.student_path!r}, tensor for tensor: the student scoring its own tokens gives "
+            f"zero signal), or {SELF_TEACHER_ALLOWED}"
+        )
 
 
 @dataclass

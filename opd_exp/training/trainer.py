@@ -38,7 +38,7 @@ from opd_exp.runtime import precision as prec
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.runtime.guards import EXIT_PREEMPTED, Diverged, NonFinite, Preempted, PreemptionGuard, StepGuard, nonfinite_summary
 from opd_exp.sinks import Progress, Sink
-from opd_exp.training.advice import EvalRise, NoSignal
+from opd_exp.training.advice import Advice, EvalRise
 from opd_exp.training.checkpoints import checkpoint_views, resume_session
 from opd_exp.training.console import Console
 from opd_exp.training.engines import build_engines, require_extras, run_identity
@@ -90,6 +90,7 @@ class Trainer:
         self.autocast = partial(prec.autocast, self.device, sc.precision.value)
         self.console = Console(self.run_dir, main=self.dist.is_main)  # stderr + train.log
         self.warn, self.log_line, self._warn_once = self.console.warn, self.console.log_line, self.console.warn_once
+        self.advice = Advice(cfg, self.console)  # advice and start-up guards (advice.py): a local pair on the toy lr, ...
 
         # Engines, picked once: the loop below never asks which ones it has.
         fsdp = self.dist.active and self.dist.parallel == "fsdp"
@@ -97,7 +98,7 @@ class Trainer:
             cfg, self.student, self.teacher, self.tokenizer, self.vocab_size, autocast=self.autocast, synced_gpus=fsdp, warn=self.warn
         )
         # a sparse teacher's limits are refused before the server is asked anything
-        self.objective = Objective(cfg, teacher_k=sparse_teacher_k(cfg, self.vocab_size), vocab_size=self.vocab_size)
+        self.objective = self.advice.watch(Objective(cfg, teacher_k=sparse_teacher_k(cfg, self.vocab_size), vocab_size=self.vocab_size))
         self.teacher_scorer = self.teachers.scorer(self.tokenizer, self.vocab_size, autocast=self.autocast, warn=self.warn)
         self.phases = PhaseClock()  # perf/<phase>_s (training/phases.py)
         self.teacher_scorer.set_clock(self.phases)
@@ -132,7 +133,6 @@ class Trainer:
         # estimator=sampled: an eval divergence that stays above its start is said once (advice.py)
         own = self.eval_divergences.own_key
         self.eval_rise = EvalRise(own, "sampled", tc.lr, cfg.estimator.baseline.value) if cfg.estimator.name.value == "sampled" else None
-        self.no_signal = NoSignal(cfg.teacher.name.value, cfg.teacher.privileged.value)
         self.lr_schedule = LrSchedule(tc)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_schedule.factor)
         self.state = TrainState(cursor=DataCursor(len(self.train_problems), cfg.seed), guard=StepGuard(tc.max_bad_steps))
@@ -238,7 +238,7 @@ class Trainer:
             **self.reward.metrics,
             **self.teacher_scorer.metrics(),
         }  # teacher/<name>/*, reward/*, self/*
-        for line in (self.monitors.gap_warning(metrics, step), self.no_signal.update(metrics, step)):
+        for line in (self.monitors.gap_warning(metrics, step), self.advice.update(metrics, step)):
             if line:
                 self.warn(line)
         metrics.update(
@@ -283,7 +283,7 @@ class Trainer:
         out.update({f"eval/{k}": v for k, v in self.teacher_scorer.metrics().items() if k == "self/privileged_gain"})
         if self.state.teacher_accuracy is None:
             out.update(self.teachers.accuracy(self.evaluator, self.engines.eval_teacher))  # and each teacher's on its prompts
-            self.state.teacher_accuracy = out["eval/teacher_accuracy"]
+            self.state.teacher_accuracy = self.advice.teacher_accuracy(out["eval/teacher_accuracy"])  # ~0: said once
         return out
 
     # -- checkpoints ----------------------------------------------------------
