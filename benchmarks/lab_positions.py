@@ -15,12 +15,46 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 
+from opd_exp.analysis import AnalysisError, group_by_variant
 from opd_exp.analysis import format_ci95 as ci95
-from opd_exp.analysis import group_by_variant
 from opd_exp.analysis.runs import load_sources
 
 METRICS = ("eval/accuracy", "eval/kl_reverse", "eval/kl_forward")
+SWEEPS = ("lab_early_stop", "lab_token_fraction")
+ALLOWED = "allowed: folders of `opd-train -m sweep=lab_early_stop` or `sweep=lab_token_fraction` (one world)"
+
+
+def fail(line: str) -> None:
+    """One line on stderr, exit code 2 (a missing or empty folder, another world's runs)."""
+    print(f"lab_positions: {line}", file=sys.stderr)
+    sys.exit(2)
+
+
+def world(run) -> str:
+    """The run's world as its config names it (else Hydra's choices): the model pair and the task."""
+    names = []
+    for key in ("model_pair", "task"):
+        node = run.config.get(key)
+        name = node.get("name") if isinstance(node, dict) else None
+        if name or key in run.choices:
+            names.append(f"{key}={name or run.choices[key]}")
+    return ", ".join(names) or "no world recorded"
+
+
+def check(runs) -> None:
+    """Runs of the position labs only, all of one world, each with the series the tables read."""
+    for r in runs:
+        sweep = r.choices.get("sweep")
+        if sweep not in (None, "None", "null", *SWEEPS):
+            fail(f"{r.path}: a run of sweep={sweep} ({world(r)}), not of a position lab; {ALLOWED}")
+        if not r.get("response/length_mean") or not r.get("eval/accuracy"):
+            fail(f"{r.path}: logs no response/length_mean or eval/accuracy: not an opd-train run of a position lab; {ALLOWED}")
+    worlds = {world(r): r for r in runs}
+    if len(worlds) > 1:
+        (a, ra), (b, rb) = list(worlds.items())[:2]
+        fail(f"runs of two worlds pooled: {ra.path} ({a}) and {rb.path} ({b}); {ALLOWED}")
 
 
 def sampled_tokens(run, per_step: int) -> list[tuple[int, float]]:
@@ -49,7 +83,11 @@ def main(argv=None) -> None:
     ap.add_argument("--budget", action="store_true", help="each arm against the longest-rollout arm at equal sampled tokens")
     ap.add_argument("--per-step", type=int, default=64, help="sequences per step (batch_size x n_samples)")
     args = ap.parse_args(argv)
-    runs, _ = load_sources(args.folders)
+    try:
+        runs, _ = load_sources(args.folders)
+    except AnalysisError as exc:  # no such folder, not a folder, no metrics.jsonl under it
+        fail(f"{exc}; {ALLOWED}")
+    check(runs)
     groups = group_by_variant(runs)
     head = ["arm", "seeds", *METRICS, "sampled tokens (k)", "train s"]
     print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))

@@ -160,3 +160,32 @@ def test_every_arm_runs_two_tiny_steps_with_per_domain_metrics(tmp_path):
     routed, addsub_only, mul_only = (teachers[jobs[i]] for i in (0, 2, 3))
     assert routed["eval/teacher/addsub/teacher_accuracy"] > mul_only["eval/teacher/addsub/teacher_accuracy"]
     assert routed["eval/teacher/mul/teacher_accuracy"] > addsub_only["eval/teacher/mul/teacher_accuracy"]
+
+
+def _other_world(root: Path) -> Path:
+    from test_compare_paper import make  # a divergence sweep on the default world: no per-domain metrics
+
+    return make(root)
+
+
+@pytest.mark.parametrize(
+    ("folder", "says"),
+    [
+        (lambda tmp: tmp / "nope", "no such folder: {tmp}/nope; "),
+        (lambda tmp: (tmp / "empty").mkdir() or tmp / "empty", "no metrics.jsonl under {tmp}/empty: "),
+        (
+            _other_world,
+            "{tmp}/multirun/divergence/embedded/0_rkl_seed0: logs no eval/teacher/addsub/accuracy (sweep=divergence, "
+            "model_pair=embedded): not a run of the lab_mopd world; ",
+        ),
+    ],
+    ids=["missing", "empty", "another_world"],
+)
+def test_the_table_script_answers_a_wrong_folder_in_one_line(tmp_path, folder, says):
+    path = folder(tmp_path)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "lab_mopd.py"), str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("lab_mopd: " + says.format(tmp=tmp_path)), proc.stderr
+    assert proc.stderr.rstrip().endswith("allowed: folders of `opd-train -m sweep=lab_mopd` (multirun/lab_mopd/embedded_mopd)")

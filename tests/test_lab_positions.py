@@ -69,3 +69,55 @@ def test_every_job_passes_the_dry_launcher(sweep, column, tmp_path):
     arms = TOKENS if sweep == "lab_early_stop" else ARMS
     assert [sum(f"{column}{a} " in line for line in jobs) for a in arms] == [3, 3, 3, 3]
     assert not (tmp_path / "s").exists()
+
+
+def _lab_runs(root: Path, worlds=("embedded_chain",), sweep="lab_token_fraction") -> Path:
+    """A position lab folder, one run per world: the series the tables read, the world in .hydra/."""
+    import json
+
+    import yaml
+
+    folder = root / "multirun" / sweep
+    for num, pair in enumerate(worlds):
+        job = folder / f"{num}_positions_all_seed{num}"
+        (job / ".hydra").mkdir(parents=True)
+        (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(["variant=positions_all", f"seed={num}"]))
+        cfg = {"seed": num, "trainer": {"max_steps": 2}, "model_pair": {"name": pair}, "task": {"name": "arithmetic"}}
+        (job / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+        (job / ".hydra" / "hydra.yaml").write_text(yaml.safe_dump({"hydra": {"runtime": {"choices": {"sweep": sweep}}}}))
+        rows = [{"step": 0, "eval/accuracy": 0.5}, {"step": 1, "response/length_mean": 30.0, "perf/step_s": 1.0}]
+        rows.append({"step": 2, "response/length_mean": 31.0, "perf/step_s": 1.0, "eval/accuracy": 0.6})
+        (job / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+@pytest.mark.parametrize(
+    ("folder", "says"),
+    [
+        (lambda tmp: tmp / "nope", "no such folder: {tmp}/nope; "),
+        (lambda tmp: (tmp / "empty").mkdir() or tmp / "empty", "no metrics.jsonl under {tmp}/empty: "),
+        (
+            lambda tmp: _lab_runs(tmp, sweep="divergence"),
+            "{tmp}/multirun/divergence/0_positions_all_seed0: a run of "
+            "sweep=divergence (model_pair=embedded_chain, task=arithmetic), not of a position lab; ",
+        ),
+        (
+            lambda tmp: _lab_runs(tmp, ("embedded_chain", "embedded")),
+            "runs of two worlds pooled: {tmp}/multirun/lab_token_fraction/"
+            "0_positions_all_seed0 (model_pair=embedded_chain, task=arithmetic) and ",
+        ),
+    ],
+    ids=["missing", "empty", "another_sweep", "two_worlds"],
+)
+def test_the_table_script_answers_a_wrong_folder_in_one_line(tmp_path, folder, says):
+    path = folder(tmp_path)
+    script = str(ROOT / "benchmarks" / "lab_positions.py")
+    proc = subprocess.run([sys.executable, script, str(path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("lab_positions: " + says.format(tmp=tmp_path)), proc.stderr
+    assert proc.stderr.rstrip().endswith(
+        "allowed: folders of `opd-train -m sweep=lab_early_stop` or `sweep=lab_token_fraction` (one world)"
+    )
+    # the same runs of one world make a table
+    ok = subprocess.run([sys.executable, script, str(_lab_runs(tmp_path / "ok"))], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and ok.stdout.splitlines()[2].startswith("| variant=positions_all | 0 | 0.600 |"), ok.stdout + ok.stderr

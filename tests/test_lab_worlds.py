@@ -275,3 +275,38 @@ def test_the_fixed_negative_sweep_composes_with_its_plugin_and_names_it_without(
     assert sum("variant=fixed_negative" in line for line in jobs) == 3
     proc = _dry("lab_fixed_negative", OPD_PLUGINS="")  # without it: one line naming the value it lacks
     assert proc.returncode == 2 and "Invalid value 'fixed_negative'" in proc.stderr, proc.stderr[-2000:]
+
+
+def _other_world_checkpoint(tmp: Path) -> Path:
+    """A checkpoint of a run that trained the default world's pair (its run folder says so)."""
+    step = tmp / "run" / "checkpoints" / "step_000002"
+    step.mkdir(parents=True)
+    (step / "model.safetensors").write_bytes(b"weights")
+    (tmp / "run" / ".hydra").mkdir()
+    (tmp / "run" / ".hydra" / "config.yaml").write_text("model_pair:\n  name: embedded\n")
+    return step
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (lambda tmp: ["model_pair=nonexistent_xyz"], "model_pair: no option 'nonexistent_xyz'; allowed: embedded, embedded_chain, "),
+        (lambda tmp: ["model_pair=smollm2"], "model_pair=smollm2 is not allowed; allowed: an embedded chain world"),
+        (lambda tmp: ["--student", str(tmp / "nope")], "--student {tmp}/nope: no such folder; allowed: a run's checkpoints/step_* "),
+        (lambda tmp: ["--student", str(tmp)], "--student {tmp}: no model.safetensors there; allowed: a run's checkpoints/step_* "),
+        (
+            lambda tmp: ["--student", str(_other_world_checkpoint(tmp))],
+            "--student {tmp}/run/checkpoints/step_000002: a checkpoint of a model_pair=embedded run, not of "
+            "embedded_chain_recovery's world; allowed: model_pair=embedded (with its task) to measure it, or ",
+        ),
+    ],
+    ids=["unknown_option", "not_embedded", "missing", "empty", "another_world"],
+)
+def test_the_mismatch_script_answers_a_wrong_input_in_one_line(tmp_path, args, says):
+    """Each refused before the pair is prepared (no cache is touched)."""
+    cmd = [sys.executable, str(ROOT / "benchmarks" / "state_mismatch.py"), *args(tmp_path)]
+    env = dict(os.environ, OPD_EXP_CACHE=str(tmp_path / "cache"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stderr
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("state_mismatch: " + says.format(tmp=tmp_path)), proc.stderr
+    assert not (tmp_path / "cache").exists()
