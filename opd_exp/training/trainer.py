@@ -41,7 +41,7 @@ from opd_exp.sinks import Progress, Sink
 from opd_exp.training.advice import Advice, EvalRise
 from opd_exp.training.checkpoints import checkpoint_views, resume_session
 from opd_exp.training.console import Console
-from opd_exp.training.engines import build_engines, require_extras, run_identity
+from opd_exp.training.engines import build_engines, require_extras, rollout_source, run_identity
 from opd_exp.training.evaluate import EvalDivergences, Evaluator, eval_problems, require_finite
 from opd_exp.training.heads import build_head
 from opd_exp.training.memory import check_step_memory
@@ -136,6 +136,10 @@ class Trainer:
         self.lr_schedule = LrSchedule(tc)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_schedule.factor)
         self.state = TrainState(cursor=DataCursor(len(self.train_problems), cfg.seed), guard=StepGuard(tc.max_bad_steps))
+        self.rollouts = rollout_source(  # in the loop, or a producer rollout.staleness updates ahead (training/producer.py)
+            cfg, self.engines, self.student, self.tokenizer, self.vocab_size, autocast=self.autocast, phases=self.phases,
+            task=task, problems=self.train_problems, cursor=self.state.cursor,
+        )  # fmt: skip
         self._extra_sinks = sinks
         self.pair_record, self.fingerprint = self.teachers.identity(*run_identity(cfg, pair, self.teacher_scorer))
         self._session: dict[str, Any] = {"session": "start", "from_step": 0}
@@ -160,14 +164,8 @@ class Trainer:
         problems = [self.train_problems[i] for i in self.state.cursor.next(cfg.trainer.batch_size)]
         prompts = [self.task.render_prompt(p, self.tokenizer) for p in problems]
         self._n_truncated = self._count_truncated(prompts)
-        on_policy = self._on_policy(step)
-        engine = self.engines.student if on_policy else self.engines.teacher
-        if on_policy:
-            with self.phases("sync"):
-                engine.sync(self.student, version=step)  # after every update: the engine samples this student
         draw = Draw.for_step(cfg.seed, step, len(prompts) * n, self.dist)
-        with self.phases("generate"):
-            batch = engine.generate([prompts[r // n] for r in draw.rows], draw.seeds)
+        batch = self.rollouts.generate(step, [prompts[r // n] for r in draw.rows], draw.seeds, on_policy=self._on_policy(step))
         batch = self.teachers.route(problems, dataclasses.replace(batch, prompt_index=torch.tensor(draw.rows) // n)).to(self.device)
         batch = self.teacher_prompt.attach(batch, problems)  # teacher.privileged: the teacher's own prompt
         return self.reward(batch, problems)  # reward.coef > 0: each row's reward advantage attached
@@ -233,11 +231,13 @@ class Trainer:
             self.scheduler.step()
         self.state.step += 1
         dt = time.perf_counter() - t0
+        # teacher/<name>/*, reward/*, self/*, async/*
         metrics = {
             **self.teachers.metrics(tally, n_global),
             **self.reward.metrics,
             **self.teacher_scorer.metrics(),
-        }  # teacher/<name>/*, reward/*, self/*
+            **self.rollouts.metrics(),
+        }
         for line in (self.monitors.gap_warning(metrics, step), self.advice.update(metrics, step)):
             if line:
                 self.warn(line)
@@ -255,12 +255,7 @@ class Trainer:
                 "perf/tokens_per_s": n_global / dt,
                 "perf/step_s": dt,
                 "perf/rollout_s": t_rollout,
-                **self.phases.take(
-                    sampled=batch.num_response_tokens,
-                    scored=batch.num_response_tokens,
-                    trained=batch.num_trained_tokens,
-                    device=self.device,
-                ),
+                **self.phases.take_for(batch, self.device),  # perf/<phase>_s, tokens/s per phase, peak memory
             }
         )
         for k in self.monitors.names:
@@ -295,9 +290,12 @@ class Trainer:
             loop = {**self.state.state_dict(), "config": self.fingerprint, "config_hash": fingerprint.short_hash(self.fingerprint)}
             if self.lr_schedule.segments:
                 loop["lr_segments"] = self.lr_schedule.segments
+            producer_meta, producer_state = self.rollouts.state(self.step)  # rollouts in flight (rollout.staleness > 0)
+            if producer_meta:
+                loop["producer"] = producer_meta
             path = checkpoint.save(
                 self.run_dir, self.step, model, optimizer, self.scheduler, loop, keep=self.cfg.checkpoint.keep,
-                teacher_state=self.teacher_scorer.state_dict(),
+                teacher_state=self.teacher_scorer.state_dict(), producer_state=producer_state,
             )  # fmt: skip
         dist_util.barrier(self.dist)
         return path
@@ -324,6 +322,7 @@ class Trainer:
         except ValueError as ex:
             raise ConfigError(f"teacher.name={self.cfg.teacher.name.value}: checkpoint at step {step}: {ex}") from None
         self.lr_schedule.segments += loop.pop("lr_segments", [])
+        self.rollouts.load_state(loop.pop("producer", None), loop.pop(checkpoint.PRODUCER_STATE, {}))
         self.state.load_state_dict(step, loop)
         if self._session.get("eval_set_changed"):
             self.state.teacher_accuracy = None  # measured again on the new eval set (``_run``)
@@ -421,6 +420,7 @@ class Trainer:
             self.console.progress = None
             sink.close(exit_code=preempt.exit_code)  # a preempted run's W&B run ends with 75
             self.teacher_scorer.close()
+            self.rollouts.close()
         return summary
 
     def _preempted(self, preempt: PreemptionGuard) -> Preempted:
