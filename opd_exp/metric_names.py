@@ -78,6 +78,14 @@ STEP: dict[str, str] = {
     "self/privileged_gain": "mean log T(y | x, context) - log T(y | x) over the student's tokens",
     "align/chunk_tokens_mean": "teacher.align=bytes: tokens per aligned chunk",
     "align/one_to_one_rate": "teacher.align=bytes: share of chunks of one token on each side",
+    "episode/turns_mean": "a task with an environment: student turns per episode",
+    "episode/student_tokens_mean": "the student's own (trained) tokens per episode",
+    "episode/env_tokens_mean": "the environment's tokens per episode (scored by the teacher, never trained)",
+    "episode/budget_stops": "count of the step's episodes cut by a length limit (rollout.max_episode_tokens, or a turn at rollout.max_new_tokens)",
+    "episode/turn_limit_stops": "count of the step's episodes ended by rollout.max_turns while the environment would answer",
+    "tools/calls_mean": "task=calc_tool: tool calls per episode (student turns ending at </calc>)",
+    "tools/valid_rate": "share of the answered tool calls whose result is a number (not the error text)",
+    "tools/result_used_rate": "of the episodes with a numeric tool result, the share whose final answer is the last result",
 }
 
 EVAL: dict[str, str] = {

@@ -12,9 +12,7 @@ from helpers.tiny import AddTask, small_config
 from opd_exp.metric_names import EVAL, FAMILIES, METRICS, STEP, declared
 
 ROOT = Path(opd_exp.__file__).resolve().parent
-GROUPS = (
-    "jsd|kl|exact|advantages|student|teacher|overlap|rollout|response|perf|grad|guard|ppo|estimator|positions|cost|reward|eval|self|align"
-)
+GROUPS = "jsd|kl|exact|advantages|student|teacher|overlap|rollout|response|perf|grad|guard|ppo|estimator|positions|cost|reward|eval|self|align|episode|tools"
 LITERAL = re.compile(rf'"((?:{GROUPS})/[a-z_@0-9/]+)"')
 
 

@@ -53,6 +53,13 @@ class RolloutConfig:
     correction: StalenessCorrection | None = None
     # truncation of those weights: min(w, is_cap) (null: untruncated; unbiased, higher variance)
     is_cap: float | None = 2.0
+    # episodes (a task with an environment, opd_exp/tasks/environment.py): student turns per episode,
+    # each ended by a stop string or EOS and answered by the environment. 1: one turn (a task
+    # without an environment is always one turn, whatever this says)
+    max_turns: int = 1
+    # episodes: tokens after the prompt (the student's and the environment's together); an episode
+    # that reaches it ends there (counted: episode/budget_stops). null: max_turns x max_new_tokens
+    max_episode_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check(
@@ -81,10 +88,22 @@ class RolloutConfig:
             self.is_cap,
             ">= 1 (the weights' truncation), or null (untruncated)",
         )
+        _check(isinstance(self.max_turns, int) and 1 <= self.max_turns <= 64, "rollout.max_turns", self.max_turns, "an integer 1..64")
+        _check(
+            self.max_episode_tokens is None or (isinstance(self.max_episode_tokens, int) and self.max_episode_tokens >= 1),
+            "rollout.max_episode_tokens",
+            self.max_episode_tokens,
+            "an integer >= 1, or null (max_turns x max_new_tokens)",
+        )
 
     @property
     def filtered(self) -> bool:
         return self.top_p < 1.0 or self.top_k > 0
+
+    @property
+    def episode_tokens(self) -> int:
+        """An episode's token budget after the prompt (``max_episode_tokens``, or every turn at its cap)."""
+        return self.max_episode_tokens or self.max_turns * self.max_new_tokens
 
 
 def _lean_limit(parallel: str, lora: bool) -> str | None:

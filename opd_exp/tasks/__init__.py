@@ -1,7 +1,9 @@
 """Tasks: where prompts and answers come from, and how a completion is verified.
 
 A new task is a ``Task`` subclass (or any callable ``TaskConfig -> Task``) registered under a
-name with ``register_task``; ``task.name=<name>`` then selects it (docs/extending.md).
+name with ``register_task``; ``task.name=<name>`` then selects it (docs/extending.md). A task whose
+episodes have more than one turn also registers an ``Environment`` under its name
+(``register_environment``, ``tasks/environment.py``).
 """
 
 from __future__ import annotations
@@ -11,8 +13,24 @@ from collections.abc import Callable
 from typing import Any
 
 from opd_exp.tasks.base import Problem, Task, extract_answer, render_prompt, verify
+from opd_exp.tasks.environment import Environment, Episode, EpisodeView, Reply, build_environment, register_environment
 
-__all__ = ["Problem", "Task", "build_task", "extract_answer", "register_task", "render_prompt", "task_names", "verify"]
+__all__ = [
+    "Environment",
+    "Episode",
+    "EpisodeView",
+    "Problem",
+    "Reply",
+    "Task",
+    "build_environment",
+    "build_task",
+    "extract_answer",
+    "register_environment",
+    "register_task",
+    "render_prompt",
+    "task_names",
+    "verify",
+]
 
 TaskBuilder = Callable[[Any], Task]  # a TaskConfig -> the Task
 _BUILDERS: dict[str, TaskBuilder] = {}
@@ -66,10 +84,24 @@ def _chat_arithmetic(cfg):
     return ChatArithmeticTask(cfg)
 
 
+def _calc_tool(cfg):
+    from opd_exp.tasks.calc_tool import CalcToolTask
+
+    return CalcToolTask(cfg)
+
+
+def _calculator(cfg):
+    from opd_exp.tasks.calc_tool import CalcEnvironment
+
+    return CalcEnvironment(cfg)
+
+
 register_task("arithmetic", _arithmetic)
 register_task("gsm8k", _gsm8k)
 register_task("chat_arithmetic", _chat_arithmetic)
 register_task("multimodal", _multimodal)
+register_task("calc_tool", _calc_tool)
+register_environment("calc_tool", _calculator)
 
 
 def build_task(task_cfg: Any = None) -> Task:

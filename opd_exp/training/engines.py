@@ -39,7 +39,43 @@ def build_engines(cfg: TrainConfig, student, teacher, tokenizer, vocab_size: int
         teacher_engine if train is cfg else in_process_engine(cfg, teacher, tokenizer, vocab_size, source="teacher", autocast=autocast)
     )
     greedy = ModuleRollout(student, tokenizer, cfg.rollout, vocab_size, autocast=autocast)
-    return Engines(own, teacher_engine, greedy, eval_teacher)
+    return episodes_for_task(cfg, train, Engines(own, teacher_engine, greedy, eval_teacher), warn)
+
+
+def episodes_for_task(cfg: TrainConfig, train: TrainConfig, engines: Engines, warn) -> Engines:
+    """A task with an environment (``tasks/environment.py``) samples episodes: every engine runs
+    turn by turn against it (``training/episodes.py``), the training ones recording their episodes
+    for the step's metrics; eval accuracy is then over episodes. Without one: the engines as built."""
+    from opd_exp.tasks.environment import build_environment
+    from opd_exp.training.episodes import EpisodeLog, episode_engine
+
+    env = build_environment(cfg.task)
+    if env is None:
+        if cfg.rollout.max_turns > 1:
+            warn(
+                f"opd-train: warning: rollout.max_turns={cfg.rollout.max_turns} does nothing with task={cfg.task.name} (no environment: one turn)"
+            )
+        return engines
+    if cfg.scale.parallel.value == "fsdp":
+        from opd_exp.config.checks import fail
+
+        fail(
+            "scale.parallel",
+            "fsdp",
+            f"none or ddp with task={cfg.task.name} (ranks would run different numbers of turns, each a collective)",
+        )
+    if cfg.rollout.max_turns == 1:
+        warn(
+            f"opd-train: warning: task={cfg.task.name} has an environment but rollout.max_turns=1: each episode is one student "
+            f"turn, ended at {' or '.join(env.stop) or 'EOS'}, and the environment never answers (set rollout.max_turns)"
+        )
+    log = EpisodeLog(env)
+    return Engines(
+        student=episode_engine(engines.student, env, train.rollout, log=log),
+        teacher=episode_engine(engines.teacher, env, train.rollout, log=log),
+        eval_student=episode_engine(engines.eval_student, env, cfg.rollout),
+        eval_teacher=episode_engine(engines.eval_teacher, env, cfg.rollout),
+    )
 
 
 def require_extras(cfg: TrainConfig) -> None:
@@ -159,4 +195,14 @@ def rollout_source(cfg: TrainConfig, engines: Engines, student, tokenizer, vocab
         return [task.render_prompt(p, tok) for p in drawn for _ in range(cfg.rollout.n_samples)]
 
     spec = (train, vocab_size, autocast)  # the producer process builds in_process_engine from these
-    return build_rollouts(cfg, engines, student, tokenizer, vocab_size, phases=phases, plan=plan, cursor=cursor, engine_spec=spec)
+    log = getattr(engines.student, "log", None)  # episodes (a task with an environment): their metrics every step
+    if log is not None and cfg.rollout.staleness:
+        from opd_exp.config.checks import fail
+
+        fail("rollout.staleness", cfg.rollout.staleness, f"0 with task={cfg.task.name} (its episodes are sampled in the loop for now)")
+    source = build_rollouts(cfg, engines, student, tokenizer, vocab_size, phases=phases, plan=plan, cursor=cursor, engine_spec=spec)
+    if log is None:
+        return source
+    from opd_exp.training.episodes import EpisodeSource
+
+    return EpisodeSource(source, log)

@@ -39,6 +39,21 @@ from opd_exp.training.sampling import SamplingSpec, draw, row_generators
 from opd_exp.training.sampling import sampling_logits as sampling_logits
 
 
+class _StopSequences:
+    """A stopping criterion: a row ends once its newest tokens are one of ``stop_ids`` (an episode's
+    stop strings as tokens); generate pads it from then on, as after EOS."""
+
+    def __init__(self, stop_ids: Sequence[Sequence[int]], device):
+        self.stops = [torch.tensor(list(s), device=device) for s in stop_ids if len(s)]
+
+    def __call__(self, input_ids, scores, **kwargs) -> torch.Tensor:
+        done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        for s in self.stops:
+            if input_ids.shape[1] >= len(s):
+                done |= (input_ids[:, -len(s) :] == s).all(-1)
+        return done
+
+
 class _VocabLimit:
     """Logits processor: no mass on ids >= vocab_size (runs before HF's temperature/top-k/top-p)."""
 
@@ -264,6 +279,8 @@ def generate(
     return_scores: bool = False,
     row_seeds: Sequence[int] | None = None,
     synced_gpus: bool = False,
+    encoded: tuple[torch.Tensor, torch.Tensor] | None = None,
+    stop_ids: Sequence[Sequence[int]] = (),
 ):
     """Sample ``n_samples`` responses per prompt (rows ordered prompt-major).
 
@@ -272,7 +289,9 @@ def generate(
     ``row_seeds`` (one per row, rows = len(prompts) * n_samples): sample each row from its own
     generator (``RowKeyedSampler``) instead of torch's global RNG; the distribution is the same
     ``sampling``. ``synced_gpus``: keep every rank stepping until all ranks finish
-    (FSDP: each forward is a collective).
+    (FSDP: each forward is a collective). ``encoded``: left-padded prompt ids and mask given as
+    tokens (an episode's next turn; ``prompts`` unused). ``stop_ids``: token sequences that end a
+    row as EOS does (pad after them; the layout's mask still runs to EOS: the caller cuts).
     Whatever the model's ``generation_config`` sets is ignored (``blank_generation_config``):
     sampling draws from exactly ``sampling``'s logits, greedy is plain argmax.
     Returns a ``Batch`` (and, with ``return_scores``, generate's processed scores
@@ -281,7 +300,7 @@ def generate(
     from transformers import GenerationConfig, LogitsProcessorList
 
     device = next(model.parameters()).device
-    ids, mask = encode_prompts(tokenizer, prompts, max_prompt_tokens)
+    ids, mask = encoded if encoded is not None else encode_prompts(tokenizer, prompts, max_prompt_tokens)
     if n_samples > 1:
         ids = ids.repeat_interleave(n_samples, 0)
         mask = mask.repeat_interleave(n_samples, 0)
@@ -318,6 +337,10 @@ def generate(
     was_training = model.training
     model.eval()
     extra = {"synced_gpus": True} if synced_gpus else {}
+    if stop_ids:
+        from transformers import StoppingCriteriaList
+
+        extra["stopping_criteria"] = StoppingCriteriaList([_StopSequences(stop_ids, device)])
     with blank_generation_config(model):
         out = model.generate(
             input_ids=ids.to(device),

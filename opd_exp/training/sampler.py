@@ -173,6 +173,8 @@ def lean_generate(
     row_seeds: Sequence[int] | None = None,
     min_new_tokens: int = 0,
     static: bool | None = None,
+    encoded: tuple[torch.Tensor, torch.Tensor] | None = None,
+    stop_ids: Sequence[Sequence[int]] = (),
 ) -> Batch:
     """Sample ``n_samples`` responses per prompt (rows prompt-major) with a KV-cache decode loop.
 
@@ -181,9 +183,12 @@ def lean_generate(
     not allowed before that many tokens (benchmarks use it to fix the response length; the
     distribution is then no longer ``sampling``'s, so the trainer never sets it).
     ``static``: decode with ``StaticDecoder`` (None: where it covers the model; False: the
-    model's own forward over its cache every token)."""
+    model's own forward over its cache every token). ``encoded``: left-padded prompt ids and mask
+    given as tokens (an episode's next turn; ``prompts`` unused). ``stop_ids``: token sequences
+    that end a row as EOS does (pad after them; the layout's mask still runs to EOS: the caller
+    cuts)."""
     device = next(model.parameters()).device
-    ids, mask = encode_prompts(tokenizer, prompts, max_prompt_tokens)
+    ids, mask = encoded if encoded is not None else encode_prompts(tokenizer, prompts, max_prompt_tokens)
     if n_samples > 1:
         ids = ids.repeat_interleave(n_samples, 0)
         mask = mask.repeat_interleave(n_samples, 0)
@@ -215,6 +220,7 @@ def lean_generate(
         decoder = StaticDecoder(model, cache, mask, max_new_tokens, V) if static else None
         raw = out.logits[:, -1, :V]
         done = torch.zeros(N, dtype=torch.bool, device=device)
+        stops = [torch.tensor(list(s), device=device) for s in stop_ids if len(s)]
         tokens, logprobs = [], []
         for i in range(max_new_tokens):
             if i < min_new_tokens:
@@ -228,6 +234,9 @@ def lean_generate(
             nxt = torch.where(done, torch.full_like(nxt, pad), nxt)
             tokens.append(nxt)
             done = done | torch.isin(nxt, eos_t)
+            for s in stops:  # a stop sequence just completed (rows already done are padded: never match)
+                if len(tokens) >= len(s):
+                    done = done | (torch.stack(tokens[-len(s) :], dim=1) == s).all(-1)
             if i == max_new_tokens - 1 or bool(done.all()):
                 break
             last_pos = last_pos + 1
