@@ -159,9 +159,10 @@ def test_compare_on_a_real_tiny_multirun(tmp_path):
     summary = json.loads((sweep / "0" / "summary.json").read_text())
     manifest = json.loads((next((tmp_path / "cache").glob("embedded-teacher-*")) / "opd-exp-manifest.json").read_text())
     assert summary["pair"]["teacher"] == {
-        "hash": manifest["hash"], "accuracy": manifest["info"]["accuracy"], "format_rate": manifest["info"]["format_rate"], "n_check": 4
+        "hash": manifest["hash"], "accuracy": manifest["info"]["accuracy"], "format_rate": manifest["info"]["format_rate"], "n_check": 4,
+        "params": manifest["info"]["params"],  # counted on the loaded model: what the cache entry says it built
     }  # fmt: skip
-    assert set(summary["pair"]["student"]) == {"hash", "accuracy", "format_rate", "n_check"}
+    assert set(summary["pair"]["student"]) == {"hash", "accuracy", "format_rate", "n_check", "params"}
     assert "opd-exp: building the embedded teacher once" in done.stderr  # announced, once: the other jobs reuse it
     assert done.stderr.count("opd-exp: building the embedded teacher once") == 1
     done = subprocess.run(

@@ -191,6 +191,8 @@ def test_a_registered_divergence_and_task_train_through_opd_train(local_pair_dir
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["eval/jeffreys"] == evals[-1]["eval/jeffreys"]
     assert summary["eval/jeffreys_before"] == evals[0]["eval/jeffreys"]
+    params = {role: record.pop("params") for role, record in summary["pair"].items()}  # each model's parameter count
+    assert params["teacher"] > params["student"] > 0  # 2 layers against 1
     assert summary["pair"] == {"teacher": {"path": str(local_pair_dir / "teacher")}, "student": {"path": str(local_pair_dir / "student")}}
 
 

@@ -212,6 +212,16 @@ def assert_no_key(folder: Path):
             assert FAKE_KEY.encode() not in f.read_bytes(), f"API key written to {f}"
 
 
+def _saved_params(folder):
+    """The parameter count of a saved model: every tensor of its safetensors file (tied weights are saved once)."""
+    import math
+
+    from safetensors import safe_open
+
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())  # noqa: SIM118 (safe_open is no mapping)
+
+
 @pytest.mark.slow
 def test_offline_run_holds_the_metrics_config_and_resumes(local_pair, tmp_path):
     run_dir = tmp_path / "run"
@@ -231,7 +241,9 @@ def test_offline_run_holds_the_metrics_config_and_resumes(local_pair, tmp_path):
     assert run["state"] == "finished" and run["exit_code"] == 0
     assert run["config"]["divergence"] == {"name": "jsd", "beta": 0.9, "temperature": 1.0}  # no alpha, no clip
     assert run["config"]["variant"] == "divergence=jsd,divergence.beta=0.9"
-    assert run["config"]["pair"] == {"teacher": {"path": str(local_pair / "teacher")}, "student": {"path": str(local_pair / "student")}}
+    assert run["config"]["pair"] == {
+        role: {"path": str(local_pair / role), "params": _saved_params(local_pair / role)} for role in ("teacher", "student")
+    }
     assert set(run["tags"]) == {"divergence=jsd", "divergence.beta=0.9", "model_pair=local"}  # not trainer.*, task.*, model_pair.*
     summary, last_train = run["summary"], rows[-1]
     for key in ("jsd/mean", "kl/reverse", "kl/forward", "loss"):

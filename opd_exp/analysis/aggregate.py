@@ -293,3 +293,84 @@ def paired(
             pairs.append((a, c))
             seeds.append(r.seed)
     return paired_differences(pairs), seeds, unpaired
+
+
+# -- where a step's time goes: the perf/<phase>_s accounting ------------------------------
+
+PHASES = ("generate", "teacher", "train", "sync", "wait")  # training/phases.py's, in its order
+TOKEN_PHASES = ("generate", "teacher", "train")  # the phases that log perf/<phase>_tokens_per_s
+# teachers made from the student: the teacher's forward costs what the student's does
+STUDENT_TEACHERS = ("ema", "lagged", "live")
+
+
+def _last_per_step(run: Run, metric: str) -> dict[int, float]:
+    """{step: value}, the last value of a step a resumed run logged twice."""
+    return {s: v for s, v in run.get(metric) if math.isfinite(v)}
+
+
+def phase_steps(run: Run) -> list[int]:
+    """The training steps a phase table reads: those that logged ``perf/step_s``, less the first
+    (its kernels, allocator and caches warm up); a run of one step keeps it."""
+    steps = sorted(_last_per_step(run, "perf/step_s"))
+    return steps[1:] if len(steps) > 1 else steps
+
+
+def phase_stats(run: Run) -> dict[str, float | None]:
+    """One run's phases over ``phase_steps``: ``step_s`` and ``<phase>_s`` (the mean seconds per
+    step), ``<phase>_share`` (that mean over the mean step, in %), ``other_share`` (what no phase
+    holds: metrics, logging), ``<phase>_tokens_per_s`` (the phase's tokens over its seconds, summed
+    over the steps: a step's tokens are its logged rate x its seconds), ``teacher_over_train``
+    (teacher seconds / train seconds). None where the run did not log the phase (runs before
+    per-phase accounting)."""
+    steps = phase_steps(run)
+    out: dict[str, float | None] = {"steps": float(len(steps))}
+    step_s = _last_per_step(run, "perf/step_s")
+    mean_step = statistics.fmean(step_s[s] for s in steps) if steps else None
+    out["step_s"] = mean_step
+    shares = 0.0
+    for p in PHASES:
+        got = _last_per_step(run, f"perf/{p}_s")
+        xs = [got[s] for s in steps if s in got]
+        mean = statistics.fmean(xs) if xs and len(xs) == len(steps) else None
+        out[f"{p}_s"] = mean
+        out[f"{p}_share"] = 100.0 * mean / mean_step if mean is not None and mean_step else None
+        shares += out[f"{p}_share"] or 0.0
+    logged = any(out[f"{p}_s"] is not None for p in PHASES)
+    out["other_share"] = 100.0 - shares if logged and mean_step else None
+    for p in TOKEN_PHASES:
+        rate, secs = _last_per_step(run, f"perf/{p}_tokens_per_s"), _last_per_step(run, f"perf/{p}_s")
+        both = [s for s in steps if s in rate and s in secs]
+        total_s = sum(secs[s] for s in both)
+        out[f"{p}_tokens_per_s"] = sum(rate[s] * secs[s] for s in both) / total_s if both and total_s > 0 else None
+    teacher, train = out["teacher_s"], out["train_s"]
+    out["teacher_over_train"] = teacher / train if teacher is not None and train else None
+    return out
+
+
+def parameter_counts(run: Run) -> tuple[int | None, int | None]:
+    """(N_S, N_T): the student's and the teacher's parameter counts from the run record
+    (summary.json's ``pair``, written by opd-train at start), the teacher's equal to the
+    student's for a teacher made from it (ema, lagged, live). None where the record does not say
+    (runs before the counts were recorded, a served or routed teacher set)."""
+    pair = run.summary.get("pair") if isinstance(run.summary, Mapping) else None
+    pair = pair if isinstance(pair, Mapping) else {}
+
+    def count(role):
+        n = (pair.get(role) or {}).get("params") if isinstance(pair.get(role), Mapping) else None
+        return int(n) if isinstance(n, (int, float)) and not isinstance(n, bool) and n > 0 else None
+
+    n_s, n_t = count("student"), count("teacher")
+    teacher = run.config.get("teacher") if isinstance(run.config, Mapping) else None
+    name = teacher.get("name") if isinstance(teacher, Mapping) else None
+    if name in STUDENT_TEACHERS:
+        n_t = n_s
+    elif "teachers" in pair:  # teachers.map: several teachers, one FLOP ratio would mislead
+        n_t = None
+    return n_s, n_t
+
+
+def flop_ratio(run: Run) -> float | None:
+    """N_T / (3 N_S): the teacher's forward (2 N_T FLOPs per token) over the student's forward and
+    backward (6 N_S), what ``teacher_s / train_s`` would be if both ran at the same FLOP rate."""
+    n_s, n_t = parameter_counts(run)
+    return n_t / (3 * n_s) if n_s and n_t else None

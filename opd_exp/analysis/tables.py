@@ -8,17 +8,22 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from opd_exp.analysis.aggregate import (
+    PHASES,
     TABLE_METRICS,
+    TOKEN_PHASES,
     base_variants,
+    flop_ratio,
     group_by_variant,
     paired,
+    parameter_counts,
+    phase_stats,
     reach,
     reached,
     value_at,
 )
 from opd_exp.analysis.labels import metric_label, paper_labels
 from opd_exp.analysis.runs import OWN, AnalysisError, Run
-from opd_exp.analysis.stats import format_interval, stat_name
+from opd_exp.analysis.stats import format_interval, seed_stat, stat_name
 
 CSV_PARTS = {"std": ("mean", "std"), "ci95": ("mean", "ci95"), "minmax": ("mean", "min", "max")}
 
@@ -242,3 +247,108 @@ def paired_table(
     where = "at the final step" if step is None else f"at step {step}"
     title = f"difference from the base ({base}), paired by seed, {where}; {stat_name(stat).replace('mean', 'mean difference', 1)}, then per seed"
     return title, render(header, body, fmt), notes
+
+
+# -- where a step's time goes ------------------------------------------------------------
+
+PHASE_COLUMNS: tuple[tuple[str, str], ...] = (
+    ("step s", "step_s"),
+    *((f"{p} s", f"{p}_s") for p in PHASES),
+    *((f"{p} %", f"{p}_share") for p in (*PHASES, "other")),
+    *((f"{p} tok/s", f"{p}_tokens_per_s") for p in TOKEN_PHASES),
+)
+
+
+def _sig_decimals(values: Sequence[float | None], sig: int = 3) -> int:
+    """Decimals that show the column's largest value to ``sig`` significant digits (0.0937 -> 4)."""
+    xs = [abs(v) for v in values if v is not None and math.isfinite(v) and v != 0]
+    if not xs:
+        return 3
+    return max(0, sig - 1 - math.floor(math.log10(max(xs))))
+
+
+def format_count(n: int | None) -> str:
+    """A parameter count to three digits: 81984 -> ``82.0k``, 140032 -> ``140k``, 134515008 ->
+    ``135M``, 1543714304 -> ``1.54B``; ``—`` for none."""
+    if n is None:
+        return "—"
+    for div, unit in ((1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            x = n / div
+            return f"{x:.{2 if x < 10 else 1 if x < 100 else 0}f}{unit}"
+    return str(n)
+
+
+def phase_table(
+    runs: Sequence[Run], *, stat: str = "ci95", fmt: str = "text", labels: Mapping[str, str] | None = None
+) -> tuple[str, str, list[str]]:
+    """Where each variant's step goes (``aggregate.phase_stats`` per run, then ``stat`` over
+    seeds): seconds per step of the whole step and of each phase (``perf/<phase>_s``, the mean
+    over the steps after the first), each phase's share of the step (``other``: what no phase
+    holds), tokens/s of the phases that handle tokens; then the parameter counts from the run
+    record, the FLOP ratio N_T/(3 N_S) and beside it the measured teacher s / train s. Returns
+    (title, table, notes)."""
+    groups = group_by_variant(runs)
+    names = dict(labels) if labels is not None else {v: v for v in groups}
+    stats = {v: [phase_stats(r) for r in rs] for v, rs in groups.items()}
+    counts = {v: [parameter_counts(r) for r in rs] for v, rs in groups.items()}
+    ratios = {v: [flop_ratio(r) for r in rs] for v, rs in groups.items()}
+    flops = any(x is not None for xs in ratios.values() for x in xs)
+    seconds = ("step_s", *(f"{p}_s" for p in PHASES))
+    decimals = {key: _sig_decimals([s[key] for ss in stats.values() for s in ss]) for key in seconds}
+    header = ["variant", "seeds", *(h for h, _ in PHASE_COLUMNS)]
+    if flops:
+        header += ["params S/T", "N_T/(3 N_S)", "teacher s/train s"]
+    body = []
+    for v, rs in groups.items():
+        row: list[Any] = [names.get(v, v), _seeds(rs).replace(",", " ") if fmt == "csv" else _seeds(rs)]
+        for _, key in PHASE_COLUMNS:
+            values = [s[key] for s in stats[v]]
+            digits = decimals.get(key, 1 if key.endswith("_share") else None)
+            row += _phase_cells(values, stat, fmt, digits)
+        if flops:
+            known = sorted({c for c in counts[v] if c != (None, None)}, key=str)
+            if fmt == "csv":
+                row += [" ".join(str(c[i]) for c in known if c[i] is not None) for i in (0, 1)]
+            else:
+                row.append(", ".join(f"{format_count(s)}/{format_count(t)}" for s, t in known) or "—")
+            row += _phase_cells(ratios[v], stat, fmt, 3, same=True)
+            row += _phase_cells([s["teacher_over_train"] for s in stats[v]], stat, fmt, 3)
+        body.append(row)
+    if fmt == "csv":
+        parts = CSV_PARTS[stat]
+        cols = [k for _, k in PHASE_COLUMNS]
+        header = ["variant", "seeds", *(f"{k}_{x}" for k in cols for x in parts)]
+        if flops:
+            header += ["params_student", "params_teacher", *(f"{k}_{x}" for k in ("flop_ratio", "teacher_over_train") for x in parts)]
+    notes = []
+    silent = [s for ss in stats.values() for s in ss if all(s[f"{p}_s"] is None for p in PHASES)]
+    if silent:
+        notes.append(f"{len(silent)} job(s) logged no perf/<phase>_s (runs from before per-phase accounting): shown —")
+    one = [r for rs in groups.values() for r in rs if len(r.get("perf/step_s")) == 1]
+    if one:
+        notes.append(f"{len(one)} job(s) logged one step only: their numbers include its warm-up")
+    if not flops:
+        notes.append("no run record says the parameter counts (summary.json's pair.student.params / pair.teacher.params): no FLOP ratio")
+    title = (
+        "where the step goes: seconds per step (the mean over the steps after the first), each phase's share of the step, "
+        f"tokens/s per phase; {stat_name(stat)}"
+    )
+    return title, render(header, body, fmt), notes
+
+
+def _phase_cells(values: Sequence[float | None], stat: str, fmt: str, digits: int | None, *, same: bool = False) -> list[str]:
+    """One column's cell (text, markdown) or its mean and spread cells (csv); ``same``: values
+    every seed shares (a pair's FLOP ratio) are shown once, with no spread."""
+    xs = [x for x in values if x is not None]
+    if fmt == "csv":
+        if not xs:
+            return [""] * len(CSV_PARTS[stat])
+        if same and len(set(xs)) == 1:
+            return [f"{xs[0]:.6g}"] + [""] * (len(CSV_PARTS[stat]) - 1)
+        return _csv_stat(seed_stat(xs, stat))
+    if not xs:
+        return ["—"]
+    if same and len(set(xs)) == 1:
+        return [f"{xs[0]:.3g}"]
+    return [_cell(xs, stat, digits=digits)]

@@ -5,12 +5,14 @@
     opd-compare multirun/a multirun/b --plot curves.png --log-y --metric eval/kl_forward
     opd-compare multirun/divergence/embedded --at-step 250 --reach eval/accuracy=0.5 --base divergence=rkl
     opd-compare multirun/divergence/embedded --plot curves.png --x tokens --stat minmax
+    opd-compare multirun/divergence/embedded --phases --format markdown
 
 Prints one row per variant (named as W&B names the run: the overrides that tell the jobs of
 its folder apart, minus the seed; with several folders, the folder's label first) with, per
 metric, its value before training, after, and the change, as mean ± 95% interval over seeds
 (``--stat``); then the variant's own eval divergence (``eval/<its divergence>``) the same way,
-and training steps/s. ``--at-step N`` reads every run at one step instead, ``--reach
+and training steps/s. ``--phases`` shows instead where each variant's step goes (seconds and share
+per phase, tokens/s per phase, the FLOP ratio N_T/(3 N_S) beside the measured teacher share). ``--at-step N`` reads every run at one step instead, ``--reach
 METRIC=VALUE`` gives the steps, sampled tokens and seconds to a threshold, ``--base KEY=VALUE``
 each variant's per-seed difference from its base; those tables name variants in a paper's
 words from the runs' config (``JSD β=0.5``). A value a run ended with as nan or inf is shown so
@@ -47,6 +49,7 @@ from opd_exp.analysis import (
     paired_table,
     paper_labels,
     parse_reach,
+    phase_table,
     plot_curves,
     reach_table,
     reached,
@@ -120,6 +123,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="figure title (default: the sweep and the pair the runs' configs name, then the jobs and steps, e.g. "
         "'divergence sweep, embedded pair: 9 jobs, 250 steps'; several folders: their labels; runs that name no sweep: the folder)",
     )
+    p.add_argument(
+        "--phases",
+        action="store_true",
+        help="instead of the summary table: where each variant's step goes: seconds per step per phase (perf/<phase>_s: generate, "
+        "teacher, train, sync, wait; the mean over the steps after the first), each phase's share, tokens/s per phase, and the "
+        "FLOP ratio N_T/(3 N_S) beside the measured teacher s / train s",
+    )
     p.add_argument("--format", choices=("text", "markdown", "csv"), default="text", help="table format (default: text)")
     return p
 
@@ -186,7 +196,11 @@ def run(argv: list[str] | None = None) -> int:
     labels = paper_labels(groups) if args.labels != "names" else {v: v for v in groups}
     csv = args.format == "csv"
     out: list[str] = []
-    if not paper:
+    if args.phases:
+        title, table, notes = phase_table(runs, stat=stat, fmt=args.format, labels=labels if args.labels == "paper" else None)
+        head = f"{_where(sources, runs, args)}: {len(runs)} jobs, {len({r.variant for r in runs})} variants; {title}"
+        out.append(table if csv else f"{head}\n{table}" + "".join(f"note: {n}\n" for n in notes))
+    elif not paper:
         before = not args.final_only
         rows = summary_table(runs, metrics, stat=stat)
         if args.labels == "paper":
@@ -245,7 +259,7 @@ def run(argv: list[str] | None = None) -> int:
             odd = [f"{metric_label(m)} {r.final(m)}" for m in [*metrics, OWN] if r.final(m) is not None and not math.isfinite(r.final(m))]
             if odd:
                 print(f"note: {r.path}: ended non-finite at step {r.last_step()}: {', '.join(odd)}")
-        if unfinished and args.at_step is None and (not paper or args.base is not None):
+        if unfinished and args.at_step is None and (not paper or args.phases or args.base is not None):
             print(f"jobs that have not reached trainer.max_steps, left out of the table: {len(unfinished)}")
             for r in unfinished:
                 print(f"  {r.path}: {r.variant} ({r.status()})")

@@ -52,3 +52,23 @@ def scrub_sweep_record(sweep_dir: Path) -> None:
     if f.is_file():
         with contextlib.suppress(OSError):  # another job may be rewriting it: it scrubs the same way
             scrub_file(f)
+
+
+def parameter_counts(pair) -> dict[str, int]:
+    """{role: parameter count} of the loaded pair's student and teacher (every tensor once: tied
+    embeddings count once); counted before the trainer wraps the models (FSDP shards, LoRA)."""
+    out = {}
+    for role in ("student", "teacher"):
+        model = getattr(pair, role, None)
+        if model is not None and hasattr(model, "parameters"):
+            out[role] = sum(p.numel() for p in model.parameters())
+    return out
+
+
+def with_parameter_counts(record: dict, counts: dict[str, int]) -> dict:
+    """The run record (summary.json's and W&B's ``pair``) with ``<role>.params``: ``opd-compare
+    --phases`` sets the FLOP ratio N_T/(3 N_S) from them beside the measured teacher share."""
+    out = dict(record)
+    for role, n in counts.items():
+        out[role] = {**(out.get(role) or {}), "params": n}
+    return out

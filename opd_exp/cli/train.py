@@ -35,7 +35,7 @@ from opd_exp.cli.compose import (
 from opd_exp.cli.errors import argv_problem, io_error, one_line, yaml_line
 from opd_exp.cli.jobs import FAILED_JOBS, HELD, JOBS_STARTED, failed_summary, log_line
 from opd_exp.cli.jobs import job_failed as _job_failed
-from opd_exp.cli.record import OWN_RECORD_ENV, scrub_sweep_record, write_hydra_record
+from opd_exp.cli.record import OWN_RECORD_ENV, parameter_counts, scrub_sweep_record, with_parameter_counts, write_hydra_record
 from opd_exp.cli.searchpath import register as register_sweeps
 from opd_exp.config import TrainConfig, folders, register_configs
 from opd_exp.config.deprecated import upgrade_flat, upgrade_overrides
@@ -113,7 +113,10 @@ def _train(typed: TrainConfig, run_dir: Path) -> float:
             from opd_exp.sinks.tracking import WandbSink
 
             sinks.append(WandbSink.from_config(typed, run_dir))
-        trainer = Trainer(typed, run_dir, sinks=sinks, **build_inputs(typed, task))
+        inputs = build_inputs(typed, task)
+        counts = parameter_counts(inputs["pair"])  # before the trainer wraps the models
+        trainer = Trainer(typed, run_dir, sinks=sinks, **inputs)
+        trainer.pair_record = with_parameter_counts(trainer.pair_record, counts)  # summary.json's and W&B's pair
         summary = trainer.run()
     except Preempted as ex:  # the trainer closed its sinks before raising: the W&B run is not failed
         # Exit from inside the job: in a multirun Hydra would go on to the next job.
