@@ -247,6 +247,28 @@ def _nan_teacher(ctx):
     return pair_args(ctx.pair) + BASE + ["trainer.max_steps=6", "checkpoint.every=2", "trainer.max_bad_steps=2"]
 
 
+@case(
+    "runtime/a_large_coefficient_is_named_in_the_stop",
+    3,
+    "every one of the run's 2 steps was non-finite and skipped (last: loss=inf, grad/norm=nan); nothing was trained, no "
+    "checkpoint written (last checkpoint: none); the config's divergence.clip=1e+30 scales the loss past float range; "
+    "allowed: values that keep the loss finite (at most 1e+06), then a teacher with finite log-probs",
+)
+def _large_coefficient(ctx):
+    from opd_exp.training.objective import Objective
+
+    real = Objective.__call__
+
+    def overflowed(self, *a, **kw):  # what importance weights let through by a clip of 1e30 can do to the loss
+        out = real(self, *a, **kw)
+        if torch.is_grad_enabled():
+            out.loss = out.loss * float("inf")
+        return out
+
+    ctx.monkeypatch.setattr(Objective, "__call__", overflowed)
+    return pair_args(ctx.pair) + BASE + QUICK + ["divergence=fkl", "estimator=sampled", "loss=reinforce", "divergence.clip=1e30"]
+
+
 # -- the run folder ---------------------------------------------------------------------------
 @case("run_dir/failed_start_keeps_an_existing_run", 2, "model_pair.teacher: local folder '/no/such/teacher' does not exist")
 def _failed_start(ctx):

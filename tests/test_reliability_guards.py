@@ -280,3 +280,31 @@ def test_a_nonfinite_teacher_at_the_eval_before_training_stops_at_once(tiny_pair
         "stopped before training, no checkpoint written; allowed: a teacher (and student) with finite log-probs"
     )
     assert steps == [] and read_metrics(tmp_path) == []
+
+
+def test_a_stop_names_the_configs_large_coefficients_before_the_teacher_and_the_lr():
+    from opd_exp.runtime.guards import StepGuard, large_coefficients
+
+    saved = {  # a run's .hydra/config.yaml as read back (plain values)
+        "loss": {"kl_coef": 1.0},
+        "reward": {"coef": 1e30},
+        "positions": {"name": "iw_opd", "gamma": 1e300},
+        "divergence": {"name": "rkl", "clip": None},
+    }
+    assert large_coefficients(saved) == ("reward.coef=1e+30", "positions.gamma=1e+300")
+    saved["positions"]["name"] = "all"  # gamma is iw_opd's: another rule does not read it
+    assert large_coefficients(saved) == ("reward.coef=1e+30",)
+    assert large_coefficients(small_config()) == ()  # a typed config, every coefficient in range
+    guard = StepGuard(2, large=large_coefficients(saved))
+    for step in (1, 2):
+        guard.record(step, "loss=inf, grad/norm=nan")
+    assert guard.stop_message(2, None) == (
+        "2 non-finite steps in a row (steps 1-2; last: loss=inf, grad/norm=nan); stopped without saving, last checkpoint "
+        "intact: none; the config's reward.coef=1e+30 scales the loss past float range; allowed: values that keep the loss "
+        "finite (at most 1e+06), then a lower trainer.lr, trainer.grad_clip > 0, a teacher with finite log-probs, or a larger "
+        "trainer.max_bad_steps=2"
+    )
+    assert "the config's reward.coef=1e+30 scales the loss past float range; allowed: values that keep the loss finite" in (
+        guard.all_skipped_message(2, None)
+    )
+    assert "past float range" not in StepGuard(2).stop_message(2, None)  # nothing large: the advice as it was

@@ -161,7 +161,18 @@ def test_defaults_are_off():
     "groups, line",
     [
         ({"loss": {"kl_coef": 0.0}}, "loss.kl_coef=0.0 is not allowed; allowed: > 0, or 0 with reward.coef > 0 (reward-only RL)"),
-        ({"reward": {"coef": -1.0}}, "reward.coef=-1.0 is not allowed; allowed: >= 0 (0: off)"),
+        (
+            {"reward": {"coef": -1.0}},
+            "reward.coef=-1.0 is not allowed; allowed: 0 <= reward.coef <= 1e+06 (0: off; larger scales the loss past float range)",
+        ),
+        (
+            {"reward": {"coef": 1e30}},
+            "reward.coef=1e+30 is not allowed; allowed: 0 <= reward.coef <= 1e+06 (0: off; larger scales the loss past float range)",
+        ),
+        (
+            {"loss": {"kl_coef": 1e30}},
+            "loss.kl_coef=1e+30 is not allowed; allowed: 0 <= loss.kl_coef <= 1e+06 (larger scales the loss past float range)",
+        ),
         (
             {"reward": {"coef": 1.0}},
             "reward.baseline='loo' is not allowed; allowed: none with rollout.n_samples=1 (a group baseline needs at least 2 "
@@ -191,6 +202,8 @@ def test_refused_in_one_line(groups, line):
 
 def test_reward_only_and_extrapolated_reward_are_allowed():
     assert small_config(loss={"kl_coef": 0.0}, reward={"coef": 1.0, "baseline": RewardBaseline.none}).loss.kl_coef == 0.0
+    big = small_config(loss={"kl_coef": 1e6}, rollout={"n_samples": 2}, reward={"coef": 1e6})  # the bounds themselves
+    assert (big.loss.kl_coef, big.reward.coef) == (1e6, 1e6)
     assert small_config(rollout={"n_samples": 4}, reward={"coef": 3.0, "std_normalize": True}).reward.coef == 3.0
 
 

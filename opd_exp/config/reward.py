@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Any
 
 from opd_exp.runtime.errors import ConfigError
+from opd_exp.runtime.guards import LARGE_COEF  # above it a coefficient scales the loss past float range
 
 
 class RewardBaseline(Enum):
@@ -29,7 +30,7 @@ class RewardBaseline(Enum):
 class RewardConfig:
     """The reward term: advantage reward.coef * (r - baseline) [/ group std] on every response token."""
 
-    # scale of the reward term; 0: off. Any value >= 0 (above 1: ExOPD's reward extrapolation)
+    # scale of the reward term; 0: off. 0 <= coef <= 1e6 (above 1: ExOPD's reward extrapolation)
     coef: float = 0.0
     # loo (leave-one-out, unbiased) | group (GRPO's mean, scales the gradient by (n-1)/n) | none
     baseline: RewardBaseline = RewardBaseline.loo
@@ -37,8 +38,8 @@ class RewardConfig:
     std_normalize: bool = False
 
     def __post_init__(self) -> None:
-        if not (isinstance(self.coef, (int, float)) and math.isfinite(self.coef) and self.coef >= 0):
-            _fail("reward.coef", self.coef, ">= 0 (0: off)")
+        if not (isinstance(self.coef, (int, float)) and math.isfinite(self.coef) and 0 <= self.coef <= LARGE_COEF):
+            _fail("reward.coef", self.coef, f"0 <= reward.coef <= {LARGE_COEF:g} (0: off; larger scales the loss past float range)")
 
     @property
     def active(self) -> bool:
@@ -52,6 +53,8 @@ def _fail(key: str, value: Any, allowed: str) -> None:
 def validate_reward(cfg) -> None:
     """The reward's combinations with the rest of a ``TrainConfig`` (one line each)."""
     rw, lo, ro = cfg.reward, cfg.loss, cfg.rollout
+    if lo.kl_coef > LARGE_COEF:  # its lower bound and finiteness: LossConfig
+        _fail("loss.kl_coef", lo.kl_coef, f"0 <= loss.kl_coef <= {LARGE_COEF:g} (larger scales the loss past float range)")
     if not rw.active:
         if lo.kl_coef == 0:
             _fail("loss.kl_coef", lo.kl_coef, "> 0, or 0 with reward.coef > 0 (reward-only RL)")

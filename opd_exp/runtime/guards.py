@@ -106,6 +106,50 @@ class PreemptionGuard:
         return prev if callable(prev) and prev is not signal.default_int_handler else None
 
 
+# a loss coefficient above this scales the loss rather than weighting its terms: a non-finite stop
+# names it (config/reward.py refuses reward.coef and loss.kl_coef above it)
+LARGE_COEF = 1e6
+
+
+def _setting(cfg: Any, dotted: str) -> Any:
+    """``cfg``'s value at ``a.b``: a TrainConfig's attribute (an enum as its value) or a plain
+    mapping's key (a run's .hydra/config.yaml); None when absent."""
+    node = cfg
+    for part in dotted.split("."):
+        node = node.get(part) if isinstance(node, dict) else getattr(node, part, None)
+        if node is None:
+            return None
+    return getattr(node, "value", node)
+
+
+def large_coefficients(cfg: Any) -> tuple[str, ...]:
+    """``key=value`` of each loss coefficient the config sets above LARGE_COEF: loss.kl_coef,
+    reward.coef, positions.gamma (with positions=iw_opd: its weights reach 1 + gamma) and
+    divergence.clip (the importance weights it lets through)."""
+    keys = ["loss.kl_coef", "reward.coef", "divergence.clip"]
+    if _setting(cfg, "positions.name") == "iw_opd":
+        keys.insert(2, "positions.gamma")
+    out = []
+    for key in keys:
+        value = _setting(cfg, key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and not value <= LARGE_COEF:  # nan/inf too
+            out.append(f"{key}={value:g}")
+    return tuple(out)
+
+
+def with_scale_advice(line: str, large: tuple[str, ...] | list[str]) -> str:
+    """A non-finite stop's line with the large coefficients named first in its advice: they, not the
+    teacher or the learning rate, are the likely cause."""
+    head, sep, allowed = line.partition("; allowed: ")
+    if not large or not sep or "past float range" in line:
+        return line
+    verb = "scales" if len(large) == 1 else "scale"
+    return (
+        f"{head}; the config's {', '.join(large)} {verb} the loss past float range; allowed: values that keep the loss finite "
+        f"(at most {LARGE_COEF:g}), then {allowed}"
+    )
+
+
 def nonfinite_summary(x) -> str | None:
     """None if every entry of tensor ``x`` is finite, else e.g. '3 NaN, 1 inf of 960'."""
     import torch
@@ -130,6 +174,8 @@ class StepGuard:
     bad_in_a_row: int = 0
     bad_since: int = 0
     last_problem: str | None = None
+    # the config's coefficients above LARGE_COEF (``large_coefficients``): named first in the stop's advice
+    large: tuple[str, ...] = ()
 
     def record_empty(self) -> None:
         self.empty_steps += 1
@@ -150,18 +196,20 @@ class StepGuard:
         return self.bad_in_a_row >= self.max_bad_steps
 
     def stop_message(self, step: int, latest_checkpoint: Any) -> str:
-        return (
+        return with_scale_advice(
             f"{self.bad_in_a_row} non-finite steps in a row (steps {self.bad_since}-{step}; last: {self.last_problem}); "
             f"stopped without saving, last checkpoint intact: {latest_checkpoint or 'none'}; allowed: a lower trainer.lr, "
-            f"trainer.grad_clip > 0, a teacher with finite log-probs, or a larger trainer.max_bad_steps={self.max_bad_steps}"
+            f"trainer.grad_clip > 0, a teacher with finite log-probs, or a larger trainer.max_bad_steps={self.max_bad_steps}",
+            self.large,
         )
 
     def all_skipped_message(self, step: int, latest_checkpoint: Any) -> str:
         """Every step of the run was skipped (fewer than ``max_bad_steps`` of them): nothing trained."""
-        return (
+        return with_scale_advice(
             f"every one of the run's {step} steps was non-finite and skipped (last: {self.last_problem}); nothing was trained, "
             f"no checkpoint written (last checkpoint: {latest_checkpoint or 'none'}); allowed: a teacher with finite log-probs, "
-            f"a lower trainer.lr, or trainer.grad_clip > 0"
+            f"a lower trainer.lr, or trainer.grad_clip > 0",
+            self.large,
         )
 
     def state_dict(self) -> dict[str, Any]:
