@@ -42,7 +42,7 @@ def job_failed(ex: BaseException, code: int, hc) -> float:
     from opd_exp.cli.errors import one_line
     from opd_exp.config.plugins import missing_hint
 
-    line = one_line(_scale_advice(ex, hc)) + missing_hint(hc.runtime.output_dir)
+    line = one_line(ex) + missing_hint(hc.runtime.output_dir)
     print(f"opd-train: error: {line}", file=sys.stderr, flush=True)
     log_line(hc.runtime.output_dir, f"opd-train: error: {line}")
     if hc.mode != RunMode.MULTIRUN:
@@ -51,25 +51,3 @@ def job_failed(ex: BaseException, code: int, hc) -> float:
     if "BasicLauncher" not in str(hc.launcher.get("_target_", "")):
         raise ex  # jobs in other processes: Hydra collects the failure (after every job has run)
     return float("nan")
-
-
-def _scale_advice(ex: BaseException, hc) -> BaseException:
-    """A non-finite stop names the config's large loss coefficients first in its advice
-    (``guards.with_scale_advice``), read from the job's ``.hydra/config.yaml`` (the trainer's
-    guard knows the counts, not the config)."""
-    import os
-
-    from opd_exp.cli.record import OWN_RECORD_ENV
-    from opd_exp.runtime.guards import Diverged, large_coefficients, with_scale_advice
-
-    subdir = hc.output_subdir or os.environ.get(OWN_RECORD_ENV)
-    if not isinstance(ex, Diverged) or not subdir:
-        return ex
-    import yaml
-
-    try:
-        cfg = yaml.safe_load((Path(hc.runtime.output_dir) / subdir / "config.yaml").read_text())
-    except (OSError, ValueError, yaml.YAMLError):
-        return ex
-    line = with_scale_advice(str(ex), large_coefficients(cfg if isinstance(cfg, dict) else {}))
-    return ex if line == str(ex) else Diverged(line)

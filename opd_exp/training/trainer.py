@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from opd_exp.config.schema import TrainConfig
-from opd_exp.runtime import checkpoint, fingerprint, host
+from opd_exp.runtime import checkpoint, fingerprint, guards, host
 from opd_exp.runtime import distributed as dist_util
 from opd_exp.runtime import precision as prec
 from opd_exp.runtime.errors import ConfigError
@@ -135,7 +135,9 @@ class Trainer:
         self.eval_rise = EvalRise(own, "sampled", tc.lr, cfg.estimator.baseline.value) if cfg.estimator.name.value == "sampled" else None
         self.lr_schedule = LrSchedule(tc)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_schedule.factor)
-        self.state = TrainState(cursor=DataCursor(len(self.train_problems), cfg.seed), guard=StepGuard(tc.max_bad_steps))
+        self.state = TrainState(
+            cursor=DataCursor(len(self.train_problems), cfg.seed), guard=StepGuard(tc.max_bad_steps, large=guards.large_coefficients(cfg))
+        )
         self.rollouts = rollout_source(  # in the loop, or a producer rollout.staleness updates ahead (training/producer.py)
             cfg, self.engines, self.student, self.tokenizer, self.vocab_size, autocast=self.autocast, phases=self.phases,
             task=task, problems=self.train_problems, cursor=self.state.cursor,
@@ -341,8 +343,6 @@ class Trainer:
         finally:
             if self.dist.active and stop_after is None:
                 dist_util.teardown()  # this process's one run is over (or failed)
-        if isinstance(summary, Preempted):
-            raise summary
         if summary and self.dist.is_main:
             line = summary_line(summary, self.run_dir)
             print(line, flush=True)  # stdout: `opd-train | tail -1` is the result
@@ -395,7 +395,7 @@ class Trainer:
                     if self._stop_requested(preempt):  # a signal cut the teacher's retries short: the preemption stop
                         self.optimizer.zero_grad(set_to_none=True)
                         state.cursor.load_state_dict(cursor)
-                        return self._preempted(preempt)
+                        raise self._preempted(preempt) from None
                     raise self._teacher_lost(ex, cursor) from None
                 if self.step % tc.log_every == 0 or last or "eval/accuracy" in metrics:
                     sink.log(metrics, step=self.step)
@@ -412,7 +412,7 @@ class Trainer:
                 if stop_after is not None and done_now >= stop_after and not last:
                     return {}
             if self._stop_requested(preempt) and self.step < tc.max_steps:
-                return self._preempted(preempt)
+                raise self._preempted(preempt)
             summary = self.summary()
             sink.summary(summary)
         finally:
@@ -424,7 +424,7 @@ class Trainer:
         return summary
 
     def _preempted(self, preempt: PreemptionGuard) -> Preempted:
-        """Saved at the last finished step; ``run`` raises it (exit 75)."""
+        """Saved at the last finished step: raised through the run's lock and signal guard (exit 75)."""
         stop = Preempted(preempt.signum or signal.SIGTERM, self.step, self.save())
         preempt.exit_code = EXIT_PREEMPTED
         stop.previous_handler = preempt.previous_handler()
