@@ -194,7 +194,7 @@ def rollout_source(cfg: TrainConfig, engines: Engines, student, tokenizer, vocab
         drawn = [problems[i] for i in data_cursor.next(cfg.trainer.batch_size)]
         return [task.render_prompt(p, tok) for p in drawn for _ in range(cfg.rollout.n_samples)]
 
-    spec = (train, vocab_size, autocast)  # the producer process builds in_process_engine from these
+    spec = (in_process_engine, train, vocab_size, autocast)  # the producer process builds its engine from these
     log = getattr(engines.student, "log", None)  # episodes (a task with an environment): their metrics every step
     if log is not None and cfg.rollout.staleness:
         from opd_exp.config.checks import fail

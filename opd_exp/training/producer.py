@@ -80,7 +80,7 @@ class Producer:
     def __init__(self, cfg, student, tokenizer, vocab_size: int, *, engine_spec, plan, cursor: DataCursor, phases):
         self.k, self.seed, self.phases = cfg.rollout.staleness, cfg.seed, phases
         self.student, self.tokenizer, self.plan, self.cursor = student, tokenizer, plan, cursor
-        self.engine_spec = engine_spec  # (train config, vocab size, autocast): what the producer builds its engine from
+        self.engine_spec = engine_spec  # (builder, train config, vocab size, autocast): the producer's engine, built there
         self.ready: dict[int, Produced] = {}
         self.requested = -1  # the last step whose rollout was asked for
         self.pending: dict[int, list[str]] = {}
@@ -193,11 +193,9 @@ class Producer:
 def _produce(model, tokenizer, engine_spec, seed: int, jobs, results) -> None:
     """The producer process: weights in the order the learner sends them, each job sampled by the
     version it names (sent before it), one ``Produced`` back per job."""
-    from opd_exp.training.engines import in_process_engine
-
     torch.set_num_threads(1)
-    cfg, vocab_size, autocast = engine_spec
-    engine = in_process_engine(cfg, model, tokenizer, vocab_size, source="student", autocast=autocast)
+    build, cfg, vocab_size, autocast = engine_spec
+    engine = build(cfg, model, tokenizer, vocab_size, source="student", autocast=autocast)
     weights: dict[int, list[torch.Tensor]] = {}
     loaded = None
     try:
