@@ -202,6 +202,7 @@ def test_stat_is_named_in_every_table_and_the_figure_legend(tmp_path, capsys):
     ax = fig.get_axes()[0]
     assert ax.get_xlabel() == "sampled tokens (mean over seeds)"
     assert list(ax.lines[0].get_xdata()) == [0.0, 20.0, 40.0, 60.0]  # evals at steps 0, 2, 4, 6; 10 tokens a step
+    assert ax.xaxis.get_major_formatter()(250000, 0) == "250k"  # token counts in k / M, not 250000
     lo, hi = ax.collections[0].get_paths()[0].vertices[:, 1].min(), ax.collections[0].get_paths()[0].vertices[:, 1].max()
     assert hi == pytest.approx(0.6 + T2 * 0.1 / math.sqrt(3), rel=1e-3) and lo < 0.1 + 1e-9  # rkl's band at its last eval
     fig = plot_curves(runs, ["eval/accuracy"], band="std")

@@ -175,6 +175,10 @@ def plot_curves(
         span = max(spans, default=1.0)
         ax.set_title(metric_label(metric) + (f" (EMA, span {span:.0f} steps)" if span >= 1.5 else ""))
         ax.set_xlabel(X_LABELS[x] + (" (mean over seeds)" if x != "steps" and len(runs) > 1 else ""))
+        if x == "tokens":  # 250k, 1M: not 250000 and 1000000 crowding the axis
+            from matplotlib.ticker import EngFormatter
+
+            ax.xaxis.set_major_formatter(EngFormatter(sep=""))
         ax.set_ylabel(y_label(metric))
         if metric == OWN and metric not in log_metrics and _spans_decades(ax):
             ax.set_yscale("log")  # each variant's own divergence has its own scale
