@@ -70,20 +70,49 @@ def test_hydra_sweep_composes_its_first_job(path):
     assert n_jobs >= 3
 
 
-def test_divergence_sweep_variants():
-    """rkl, fkl, jsd at beta 0.1/0.5/0.9, skl, srkl, 3 seeds: each variant picks what it says."""
-    hc, _ = compose_job(["sweep=divergence"])
+def test_divergence_sweep_is_the_race_on_the_multimodal_world():
+    """sweep=divergence: rkl, fkl, jsd beta 0.5 x 3 seeds on a world where accuracy moves within
+    its steps (the multimodal lab world), a constant lr, evals dense enough to time a threshold."""
+    hc, cfg = compose_job(["sweep=divergence"])
     params = OmegaConf.to_container(hc.sweeper.params)
-    variants = params["variant"].split(",")
-    assert variants == ["rkl", "fkl", "jsd_0.1", "jsd_0.5", "jsd_0.9", "skl", "srkl"]
-    assert params["seed"] == "0,1,2"
-    for v in variants:
+    assert params == {"variant": "rkl,fkl,jsd_0.5", "seed": "0,1,2"}
+    assert (hc.choices.model_pair, hc.choices.task) == ("embedded_multimodal", "multimodal")
+    assert cfg.trainer.max_steps == 1000 and cfg.trainer.schedule.value == "constant"
+    assert (cfg.eval.every, cfg.eval.size, cfg.checkpoint.every) == (25, 200, 0)
+    for v in params["variant"].split(","):
         hc, cfg = compose_job(["sweep=divergence", f"variant={v}", "seed=2"], job_num=5)
         name, _, beta = v.partition("_")
         assert cfg.divergence.name.value == name and cfg.seed == 2
         if beta:
             assert cfg.divergence.beta == float(beta)
         assert hc.sweep.subdir == f"5_{v}_seed2"
+    assert hc.sweep.dir == "multirun/divergence/embedded_multimodal" and cfg.logger.group == "divergence"
+
+
+def test_divergence_all_sweep_variants():
+    """sweep=divergence_all: rkl, fkl, jsd at beta 0.1/0.5/0.9, skl, srkl, 3 seeds, on the default
+    world at its defaults: each variant picks what it says."""
+    hc, cfg = compose_job(["sweep=divergence_all"])
+    params = OmegaConf.to_container(hc.sweeper.params)
+    variants = params["variant"].split(",")
+    assert variants == ["rkl", "fkl", "jsd_0.1", "jsd_0.5", "jsd_0.9", "skl", "srkl"]
+    assert params["seed"] == "0,1,2"
+    assert hc.choices.model_pair == "embedded" and cfg.trainer.max_steps == 2500
+    for v in variants:
+        hc, cfg = compose_job(["sweep=divergence_all", f"variant={v}", "seed=2"], job_num=5)
+        name, _, beta = v.partition("_")
+        assert cfg.divergence.name.value == name and cfg.seed == 2
+        if beta:
+            assert cfg.divergence.beta == float(beta)
+        assert hc.sweep.subdir == f"5_{v}_seed2"
+
+
+def test_sweep_folders_are_distinct():
+    """Each sweep writes under multirun/<its own name>/: two sweeps never share a folder, whatever
+    pair they run on (divergence, the race, and divergence_all, every divergence, included)."""
+    dirs = [yaml.safe_load(p.read_text())["hydra"]["sweep"]["dir"] for p in HYDRA_SWEEPS]
+    assert [d.split("/")[1] for d in dirs] == [p.stem for p in HYDRA_SWEEPS]
+    assert len(set(dirs)) == len(dirs)
 
 
 def test_sweep_accepts_overrides_and_a_real_pair():
@@ -94,10 +123,10 @@ def test_sweep_accepts_overrides_and_a_real_pair():
     _, cfg = compose_job(["sweep=estimator", *params, *cli])
     assert (cfg.estimator.name.value, cfg.loss.name.value, cfg.divergence.name.value) == ("topk", "reinforce", "jsd")
     assert cfg.trainer.max_steps == 7
-    hc, cfg = compose_job(["sweep=divergence", "experiment=opd_gsm8k_jsd", "variant=srkl"])
+    hc, cfg = compose_job(["sweep=divergence_all", "experiment=opd_gsm8k_jsd", "variant=srkl"])
     assert cfg.model_pair.student.startswith("Qwen/") and cfg.divergence.name.value == "srkl"
-    assert cfg.logger.group == "divergence"  # the sweep's group beats the experiment's
-    assert hc.sweep.dir == "multirun/divergence/qwen2.5_1.5b_math7b"
+    assert cfg.logger.group == "divergence_all"  # the sweep's group beats the experiment's
+    assert hc.sweep.dir == "multirun/divergence_all/qwen2.5_1.5b_math7b"
 
 
 def _spec_overrides(spec) -> list[str]:

@@ -1,11 +1,11 @@
 """`opd-compare`: compare runs from their folders: several multiruns or single runs, side by side.
 
-    opd-compare multirun/divergence/embedded
+    opd-compare multirun/divergence/embedded_multimodal
     opd-compare base=outputs/2025-01-01/12-00-00 new=outputs/2025-01-02/09-00-00 --format markdown
     opd-compare multirun/a multirun/b --plot curves.png --log-y --metric eval/kl_forward
-    opd-compare multirun/divergence/embedded --at-step 250 --reach eval/accuracy=0.5 --base divergence=rkl
-    opd-compare multirun/divergence/embedded --plot curves.png --x tokens --stat minmax
-    opd-compare multirun/divergence/embedded --phases --format markdown
+    opd-compare multirun/divergence/embedded_multimodal --at-step 500 --reach eval/accuracy=0.9 --base divergence=rkl
+    opd-compare multirun/divergence/embedded_multimodal --plot curves.png --x tokens --stat minmax
+    opd-compare multirun/divergence/embedded_multimodal --phases --format markdown
 
 Prints one row per variant (named as W&B names the run: the overrides that tell the jobs of
 its folder apart, minus the seed; with several folders, the folder's label first) with, per
