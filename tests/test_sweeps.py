@@ -163,3 +163,15 @@ def test_wandb_spec_calls_the_entry_point_with_schema_keys(path):
 
 def _first(p):
     return p["value"] if "value" in p else p["values"][0] if "values" in p else p["min"]
+
+
+def test_a_sweep_with_its_own_world_is_refused_beside_an_experiment():
+    """sweep=divergence (the multimodal race) is applied after experiment=... and would replace the
+    experiment's pair without a word; a sweep over the chosen pair is accepted with it."""
+    from opd_exp.cli.compose import check_sweep_world
+    from opd_exp.runtime.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^sweep=divergence is not allowed with experiment=opd_gsm8k_jsd \(the sweep brings"):
+        check_sweep_world("divergence", "opd_gsm8k_jsd")
+    check_sweep_world("divergence_all", "opd_gsm8k_jsd")
+    check_sweep_world("divergence", None)

@@ -95,6 +95,25 @@ def check_choices(hc) -> None:
         options = _group_options(hc, group)
         if options and option not in options:
             raise ConfigError(f"{group}={option}: no such option; allowed: {', '.join(options)}")
+    check_sweep_world(hc.runtime.choices.get("sweep"), hc.runtime.choices.get("experiment"))
+
+
+def check_sweep_world(sweep: str | None, experiment: str | None) -> None:
+    """A sweep that brings its own world (``override /model_pair`` in its defaults, as
+    ``sweep=divergence``'s multimodal race does) is applied after an experiment and would replace
+    the experiment's pair without a word: refuse the two together."""
+    if not (isinstance(sweep, str) and isinstance(experiment, str)):
+        return
+    from opd_exp.config.folders import SWEEPS_DIR
+
+    path = SWEEPS_DIR / "sweep" / f"{sweep}.yaml"
+    text = path.read_text() if path.is_file() else ""
+    if any(line.strip().startswith("- override /model_pair") for line in text.splitlines()):
+        raise ConfigError(
+            f"sweep={sweep} is not allowed with experiment={experiment} (the sweep brings its own world and would replace the "
+            f"experiment's pair); allowed: a sweep that runs on the chosen pair (sweep=divergence_all experiment={experiment}), "
+            f"or sweep={sweep} alone"
+        )
 
 
 def validated(cfg: DictConfig, hc) -> TrainConfig:
