@@ -57,6 +57,9 @@ def test_every_experiment_composes(experiment):
         assert (cfg.model_pair.student, cfg.model_pair.teacher) == ("smollm2:student", "smollm2:teacher")
         assert cfg.task.name == "chat_arithmetic" and cfg.divergence.name.value == "rkl" and cfg.scale.device == "cpu"
         return
+    if experiment == "calc_tool":  # the embedded tool world's episodes
+        assert (cfg.model_pair.name, cfg.task.name, cfg.rollout.max_turns) == ("embedded_tool", "calc_tool", 4)
+        return
     assert "Qwen2.5" in cfg.model_pair.student and "Qwen2.5-Math-7B" in cfg.model_pair.teacher
     assert cfg.task.name == "gsm8k" and cfg.loss.kl_coef == 1.0
 

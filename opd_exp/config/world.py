@@ -12,7 +12,7 @@ from typing import Any
 DTYPES = ("float32", "bfloat16", "float16", "auto")
 # Task names the config accepts: the built-ins, then any added with ``opd_exp.tasks.register_task``
 # (which appends here; tasks depend on config, never the reverse).
-TASKS: list[str] = ["arithmetic", "gsm8k", "chat_arithmetic", "multimodal"]
+TASKS: list[str] = ["arithmetic", "gsm8k", "chat_arithmetic", "multimodal", "calc_tool"]
 
 
 def add_task_name(name: str) -> None:
@@ -160,7 +160,7 @@ class ModelPairConfig:
 class TaskConfig:
     """Which problems the student learns on and is evaluated on."""
 
-    name: str = "arithmetic"  # arithmetic (embedded, synthetic) | gsm8k | chat_arithmetic (questions through the chat template) | multimodal (embedded, several answers per prompt) | a registered task (docs/extending.md)
+    name: str = "arithmetic"  # arithmetic (embedded, synthetic) | gsm8k | chat_arithmetic (questions through the chat template) | multimodal (embedded, several answers per prompt) | calc_tool (embedded, episodes with a calculator) | a registered task (docs/extending.md)
     seed: int = 0  # draws the training problems (arithmetic) / their order
     n_train: int = 20000  # training problems (gsm8k: 0 = all available)
     n_eval: int = 200  # eval problems, fixed and disjoint from train (gsm8k: 0 = all)

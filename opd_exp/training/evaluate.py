@@ -56,11 +56,19 @@ def accuracy(engine: RolloutEngine, tokenizer, task, problems: Sequence[Any], ba
 def evaluate_accuracy(
     model, tokenizer, task, problems: Sequence[Any], batch_size: int = 64, max_new_tokens: int = 64, return_completions: bool = False
 ) -> dict:
-    """Greedy accuracy of a bare model (``opd-prepare``, benchmarks): an HF engine around it."""
+    """Greedy accuracy of a bare model (``opd-prepare``, benchmarks): an HF engine around it, run as
+    episodes when the task has an environment (``max_new_tokens`` then caps each turn)."""
     from types import SimpleNamespace
+
+    from opd_exp.tasks.environment import build_environment
 
     ro = SimpleNamespace(max_new_tokens=max_new_tokens, max_prompt_tokens=UNCAPPED_PROMPT_TOKENS)
     engine = ModuleRollout(model, tokenizer, ro, vocab_size=len(tokenizer), sampling=SamplingSpec())
+    env = build_environment(task)
+    if env is not None:  # a task with an environment: greedy episodes, up to the environment's own turn limit
+        from opd_exp.training.episodes import EpisodeRollout
+
+        engine = EpisodeRollout(engine, env)
     return accuracy(engine, tokenizer, task, problems, batch_size, return_completions=return_completions)
 
 
@@ -180,9 +188,9 @@ class Evaluator:
             batch = batch.to(device)
             texts = decode_responses(self.tokenizer, batch)
             correct += [bool(self.task.verify(t, p.answer)) for t, p in zip(texts, chunk)]
-            for name, v in self.position_sums(batch, self.divergences, False).items():
+            for name, v in self.position_sums(student_positions(batch), self.divergences, False).items():
                 sums[name] += v
-            n_tok += batch.num_response_tokens
+            n_tok += batch.num_trained_tokens
         out = {k: v / max(n_tok, 1) for k, v in sums.items()}
         out["eval/accuracy"] = sum(correct) / max(len(self.problems), 1)
         if self.routing is not None:
@@ -207,8 +215,8 @@ class Evaluator:
             seeds = [EVAL_SAMPLE_SEED + (start + i) * k + j for i in range(len(chunk)) for j in range(k)]
             batch = engine.generate(prompts, seeds, n_samples=k).to(device)
             texts = decode_responses(self.tokenizer, batch)
-            ent_sum += self.position_sums(batch, {}, True)[ENTROPY]
-            n_tok += batch.num_response_tokens
+            ent_sum += self.position_sums(student_positions(batch), {}, True)[ENTROPY]
+            n_tok += batch.num_trained_tokens
             for i, p in enumerate(chunk):
                 rows = texts[i * k : (i + 1) * k]
                 ok = [bool(self.task.verify(t, p.answer)) for t in rows]
@@ -220,6 +228,17 @@ class Evaluator:
         )
         out["eval/entropy"] = ent_sum / max(n_tok, 1)
         return out
+
+
+def student_positions(batch: Batch) -> Batch:
+    """``batch`` with its layout mask narrowed to the student's own tokens, where an episode has
+    others (the environment's): the eval divergences and entropy are over what the student wrote.
+    One-turn batches are returned as they are."""
+    if batch.loss_mask is None:
+        return batch
+    import dataclasses
+
+    return dataclasses.replace(batch, response_mask=batch.response_mask & batch.loss_mask.bool(), loss_mask=None)
 
 
 def require_finite(out: dict[str, Any], step: int) -> dict[str, Any]:

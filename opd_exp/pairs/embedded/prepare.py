@@ -45,7 +45,7 @@ WORLD_VERSION = 2
 SECONDS_PER_STEP = 0.09
 # Embedded tasks besides arithmetic, each with its own generator; their cache keys carry a
 # "world" entry, so arithmetic keys (and entries) are exactly what they were before.
-EMBEDDED_TASKS = ("multimodal",)
+EMBEDDED_TASKS = ("multimodal", "calc_tool")
 
 
 @dataclass
@@ -96,6 +96,10 @@ def model_key(role: str, pair: EmbeddedPairConfig, task: TaskConfig) -> dict:
         if task.name in EMBEDDED_TASKS:
             fail("model_pair.embedded.sft_ops", pair.sft_ops, f"null with task={task.name} (operators are arithmetic's)")
         return {**model_key(role, dataclasses.replace(pair, sft_ops=None), task), "sft_ops": pair.sft_ops}
+    if task.name == "calc_tool":
+        from opd_exp.pairs.embedded import tool
+
+        return tool.model_key(role, dataclasses.asdict(model), cache.key_hash(tokenizer_key()), pair, task, WORLD_VERSION)
     if task.name == "multimodal":
         return {
             "world_version": WORLD_VERSION,
@@ -169,6 +173,10 @@ def _sft_data(task: TaskConfig, pair: EmbeddedPairConfig) -> tuple[list, list]:
     """(eval problems, SFT problems): SFT data drawn from the pair's own seed, never touching
     the task's eval set. Multimodal draws carry one random valid answer each, so the teacher
     learns to spread its mass over all of them."""
+    if task.name == "calc_tool":
+        from opd_exp.pairs.embedded.tool import sft_data
+
+        return sft_data(task, pair)
     if task.name == "multimodal":
         from opd_exp.tasks import multimodal
 
@@ -197,6 +205,10 @@ def _build_model(folder: Path, role: str, pair: EmbeddedPairConfig, task: TaskCo
         from opd_exp.pairs.embedded.recovery import with_recovery
 
         problems = with_recovery(problems, pair.recovery, pair.seed)
+    if role == "student" and task.name == "calc_tool":  # a student that answers some prompts without the tool
+        from opd_exp.pairs.embedded.tool import DIRECT_SHARE, with_direct_answers
+
+        problems = with_direct_answers(problems, DIRECT_SHARE, pair.seed)
     seed = pair.seed * 2 + (0 if role == "teacher" else 1)
     model = build_model(recipe, tokenizer, seed=seed)
     fit = sft_train(

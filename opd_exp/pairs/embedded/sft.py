@@ -15,7 +15,8 @@ from opd_exp.tasks.base import Problem, render_prompt
 
 
 def encode_sft(tokenizer: Any, problems: Sequence[Problem]):
-    """(ids, loss_mask, lengths): right-padded ``prompt + solution + EOS``; mask marks solution+EOS."""
+    """(ids, loss_mask, lengths): right-padded ``prompt + solution + EOS``; mask marks solution+EOS,
+    less a problem's ``env_spans`` (character spans of its solution an environment writes)."""
     import itertools
 
     import torch
@@ -33,6 +34,13 @@ def encode_sft(tokenizer: Any, problems: Sequence[Problem]):
     ids = torch.full(inside.shape, pad_id, dtype=torch.long)
     ids[inside] = torch.tensor(list(itertools.chain.from_iterable(rows)), dtype=torch.long)  # row-major fill
     mask = inside & (cols >= prompt_lengths[:, None])
+    for i, p in enumerate(problems):  # text an environment writes (a tool's result): in the context, never a target
+        spans = getattr(p, "env_spans", ())
+        if spans:
+            offsets = tokenizer(p.solution, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+            for j, (a, b) in enumerate(offsets):
+                if any(lo <= a and b <= hi for lo, hi in spans):
+                    mask[i, len(prompts[i]) + j] = False
     return ids, mask, lengths
 
 
