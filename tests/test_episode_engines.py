@@ -215,3 +215,40 @@ def test_a_run_on_a_task_with_an_environment_logs_episode_metrics(tiny_pair, tmp
     assert max(r["episode/turns_mean"] for r in steps) > 1 and max(r["episode/env_tokens_mean"] for r in steps) > 0
     # the step's trained tokens are the student's only (response/length_mean counts trained tokens per row)
     assert all(r["response/length_mean"] == pytest.approx(r["episode/student_tokens_mean"]) for r in steps)
+
+
+def _echo_run(tiny_dir, run_dir, stop_after=None):
+    import dataclasses
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from opd_exp.training.trainer import Trainer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir / "tokenizer")
+    pair = SimpleNamespace(
+        student=AutoModelForCausalLM.from_pretrained(tiny_dir / "student"),
+        teacher=AutoModelForCausalLM.from_pretrained(tiny_dir / "teacher"),
+        tokenizer=tok,
+        vocab_size=len(tok),
+    )
+    cfg = small_config(
+        trainer={"max_steps": 4},
+        checkpoint={"every": 2},
+        estimator={"name": "sampled", "baseline": "none"},
+        loss={"name": "reinforce", "credit": "sequence"},
+        divergence={"name": "rkl"},
+        rollout={"max_new_tokens": 4, "max_prompt_tokens": 8, "max_turns": 3},
+    )
+    Trainer(dataclasses.replace(cfg, task=TaskConfig(name="tiny_echo")), run_dir, pair=pair, task=EchoTask()).run(stop_after=stop_after)
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_resumed_episode_run_equals_the_straight_one(tiny_dir, tmp_path, echo_task):
+    straight = _echo_run(tiny_dir, tmp_path / "a")
+    _echo_run(tiny_dir, tmp_path / "b", stop_after=3)  # checkpoint at step 2, step 3 done again after the resume
+    resumed = _echo_run(tiny_dir, tmp_path / "b")
+    key = lambda rows: {r["step"]: {k: v for k, v in r.items() if not k.startswith("perf/")} for r in rows}
+    assert key(straight) == key(resumed) and max(r.get("episode/env_tokens_mean", 0) for r in straight) > 0

@@ -109,3 +109,8 @@ def test_the_example_environment_trains_from_one_file(local_pair_dir, tmp_path, 
     assert res.returncode == 0, res.stderr[-3000:]
     rows = [r for r in read_metrics(tmp_path / "run") if "loss" in r]
     assert len(rows) == 2 and all("episode/turns_mean" in r and "tools/calls_mean" not in r for r in rows)
+
+
+def test_the_doc_shows_the_example_environment_as_it_is():
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "extending.md").read_text(), flags=re.S)
+    assert EXAMPLE.read_text() in blocks

@@ -131,11 +131,8 @@ def build_environment(task_cfg: Any) -> Environment | None:
     """The environment of the task ``task_cfg`` names (a TaskConfig, a Task, or a name), or None: a
     one-turn task. The builder gets the TaskConfig (a Task's ``cfg``; None from a bare name)."""
     name = task_cfg if isinstance(task_cfg, str) else getattr(task_cfg, "name", None)
-    if name not in _BUILDERS:
-        import opd_exp.tasks  # noqa: F401 - the built-in tasks register their environments
-
-        if name not in _BUILDERS:
-            return None
+    if name not in _BUILDERS:  # the built-ins registered when opd_exp.tasks (this module's package) was imported
+        return None
     env = _BUILDERS[name](None if isinstance(task_cfg, str) else getattr(task_cfg, "cfg", task_cfg))
     if not isinstance(env, Environment):
         raise TypeError(f"environment of task {name!r}: its builder returned {type(env).__name__}; allowed: an opd_exp.tasks.Environment")
