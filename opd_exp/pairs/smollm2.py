@@ -241,6 +241,16 @@ def _build_student(folder: Path, teacher_dir: Path, pair: SmolLM2PairConfig) -> 
     }
 
 
+def prepare_teacher(*, force: bool = False) -> Path:
+    """The converted SmolLM2-135M-Instruct alone (the ``smollm2-teacher`` entry): a student or
+    teacher of its own in other pairs (``pypi:smollm2-135m-instruct``, opd_exp/pairs/pypi_gguf.py)."""
+    source = gguf_source()
+    key = teacher_key(source_identity(source))
+    if force:
+        files.discard(cache.entry_path("smollm2-teacher", key))
+    return cache.get_or_build("smollm2-teacher", key, lambda tmp: _build_teacher(tmp, source))
+
+
 def prepare_smollm2(pair: SmolLM2PairConfig | None = None, *, force: bool = False) -> PreparedSmolLM2:
     """Build (or load from the cache) the converted teacher and the pruned student."""
     pair = pair or SmolLM2PairConfig()
