@@ -141,7 +141,7 @@ def model(name: str, key: str = "model_pair") -> SplitModel | None:
     if name == SMOLLM2:
         return None
     if name not in MODELS:
-        raise ConfigError(f"{key}={PREFIX}{name!r} is not allowed; allowed: {ALLOWED}")
+        raise ConfigError(f"{key}={PREFIX + name!r} is not allowed; allowed: {ALLOWED}")
     return MODELS[name]
 
 
