@@ -229,3 +229,50 @@ def test_a_resumed_stale_run_equals_the_straight_one(fresh_pair, tmp_path):
     assert (tmp_path / "b" / "checkpoints" / "step_000002" / checkpoint.PRODUCER_FILE).is_file()
     _run(fresh_pair, tmp_path / "b", 6, staleness=2, correction="recompute")
     _same(_rows(tmp_path / "a"), _rows(tmp_path / "b"))
+
+
+def _children(pid: int) -> list[int]:
+    """Live processes whose parent is ``pid`` (Linux /proc)."""
+    from pathlib import Path
+
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+@pytest.mark.slow
+def test_a_producer_ends_when_its_learner_is_killed_outright(local_pair_dir, tmp_path):
+    """SIGKILL gives the learner no chance to send "stop": the producer process must not outlive it."""
+    import os
+    import signal
+    import time
+    from pathlib import Path
+
+    from helpers.reliability import BASE, pair_args, popen
+
+    if not Path("/proc/self/stat").is_file():
+        pytest.skip("needs /proc")
+    args = [*pair_args(local_pair_dir), *BASE, "trainer.max_steps=100000", "logger=none", "rollout.staleness=1",
+            "rollout.correction=recompute", "estimator=sampled", "loss=reinforce"]  # fmt: skip
+    proc = popen(args, tmp_path / "run")
+    try:
+        deadline, producers = time.monotonic() + 600, []  # liveness bounds, not timings: generous under load
+        while not producers and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.5)
+            producers = [c for c in _children(proc.pid) if b"spawn_main" in Path(f"/proc/{c}/cmdline").read_bytes()]
+        assert producers, (proc.poll(), proc.stderr.read()[-2000:] if proc.poll() is not None else "")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        deadline = time.monotonic() + 180  # the producer looks for its parent every 5 s
+        while any(Path(f"/proc/{p}").exists() for p in producers) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not any(Path(f"/proc/{p}").exists() for p in producers), "the producer outlived its learner"
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import os
 import queue
 import time
 from typing import Any
@@ -197,11 +198,17 @@ def _produce(model, tokenizer, engine_spec, seed: int, jobs, results) -> None:
     build, cfg, vocab_size, autocast = engine_spec
     engine = build(cfg, model, tokenizer, vocab_size, source="student", autocast=autocast)
     weights: dict[int, list[torch.Tensor]] = {}
-    loaded = None
+    loaded, parent = None, os.getppid()
     try:
         while True:
             t0 = time.perf_counter()
-            msg = jobs.get()
+            while True:  # a learner killed outright never sends "stop": its producer ends with it
+                try:
+                    msg = jobs.get(timeout=5.0)
+                    break
+                except queue.Empty:
+                    if os.getppid() != parent:
+                        return
             if msg[0] == "stop":
                 return
             if msg[0] == "weights":
