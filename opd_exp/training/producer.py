@@ -179,7 +179,10 @@ class Producer:
         self.requested = step + len(loaded) - 1
         if not loaded:
             self.pending[step] = list(prompts)
-        ctx = mp.get_context("spawn")  # fork under torch's threads can deadlock
+        # forkserver: a fork of a clean server process (a fork of this one, with torch's threads, can
+        # deadlock), which has the producer and transformers imported once for every run of the process
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["opd_exp.training.producer", "transformers"])
         self.jobs, self.results = ctx.Queue(), ctx.Queue()
         model = copy.deepcopy(self.student).to("cpu").eval().requires_grad_(False)
         self.proc = ctx.Process(
