@@ -126,7 +126,7 @@ def _long_prompts(ctx):
     def counted(run, err):
         rows = read_metrics(run)
         assert all(r["rollout/truncated_prompts"] == 2 for r in rows[1:])  # batch_size 2: both cut
-        assert err.count("opd-train: warning:") == 1  # warned once, not every step
+        assert err.count("are longer than rollout.max_prompt_tokens=3") == 1  # warned once, not every step
 
     ctx.checks.append(counted)
     return pair_args(ctx.pair) + BASE + QUICK + ["rollout.max_prompt_tokens=3"]

@@ -36,6 +36,7 @@ def _batch(n: int = 5, P: int = 3, R: int = 4) -> Batch:
         route=torch.arange(n) % 2,
         loss_mask=rm & (torch.arange(R) != 1),  # column 1 written by an environment: scored, never trained
         teacher_view=view,
+        behaviour_logprobs=torch.randn(n, R, generator=g),
     )
 
 
