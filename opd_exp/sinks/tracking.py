@@ -505,10 +505,10 @@ class WandbSink(Sink):
             self._run.summary[f"final/{k}" if k in self._tracked else k] = v  # goes to final/<key>
 
     def close(self, exit_code: int | None = None):
-        """Finish the W&B run: exit code 1 while an exception propagates, else ``exit_code``
-        (75: preempted, saved, to be resumed; W&B shows the run with that code), else 0."""
+        """Finish the W&B run with ``exit_code`` where one is given (75: preempted, saved, to be
+        resumed; the stop propagates as an exception), else 1 while an exception propagates, else 0."""
         if self._run is None:
             return
         failed = sys.exc_info()[0] is not None  # called from a `finally` during an exception
         run, self._run = self._run, None
-        run.finish(exit_code=1 if failed else exit_code or 0)
+        run.finish(exit_code=exit_code or (1 if failed else 0))
