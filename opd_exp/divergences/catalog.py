@@ -40,6 +40,9 @@ class Divergence(ABC):
     """A divergence D(S, T) between student S and teacher T over the vocabulary."""
 
     name: ClassVar[str]
+    # False for a lab signal that ignores the teacher on purpose (fixed_negative): the step-1
+    # check that the loss reads the teacher's scores (training/advice.py) does not apply to it
+    reads_teacher: ClassVar[bool] = True
     baseline: ClassVar[float] = 0.0  # token_cost = token_score - baseline
     # E_{y~S}[token_cost(y) grad log S(y)] = grad D; False only for jsd_legacy (kept wrong, for reproduction)
     exact_cost: ClassVar[bool] = True

@@ -32,6 +32,8 @@ class FixedNegative(Divergence):
     """Cost 1 on a sampled token whose student probability is below ``threshold``, else 0."""
 
     name = "fixed_negative"
+    # teacher-free by design: the start-up check that the loss reads the teacher's scores skips it
+    reads_teacher: ClassVar[bool] = False
     # a class attribute, not a config key (the schema stays the built-ins'); a subclass changes it
     threshold: ClassVar[float] = 0.02
 

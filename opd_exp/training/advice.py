@@ -172,7 +172,8 @@ class FirstStepCheck:
 
     def __init__(self, objective, cfg):
         self.objective, self.cfg = objective, cfg
-        self.pending = cfg.loss.kl_coef > 0
+        # a signal that ignores the teacher on purpose (a lab divergence, reads_teacher=False) has nothing to check
+        self.pending = cfg.loss.kl_coef > 0 and getattr(objective.div, "reads_teacher", True)
 
     def __getattr__(self, name):  # everything else is the objective's
         return getattr(self.objective, name)
