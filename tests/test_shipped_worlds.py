@@ -20,6 +20,7 @@ WORLDS = {
     "default": [],
     "multimodal": ["model_pair=embedded_multimodal", "task=multimodal"],
     "chain": ["model_pair=embedded_chain", "task=chain"],
+    "self_distill": ["model_pair=embedded_self_distill", "teacher=live", "teacher.privileged=solution"],
 }
 
 

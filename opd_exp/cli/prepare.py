@@ -103,6 +103,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"  params={i.get('params')} greedy accuracy={i.get('accuracy'):.3f} "
             f"format_rate={i.get('format_rate'):.3f} (n={i.get('n_check')}) sft_seconds={i.get('sft_seconds')}"
         )
+        asked = [f"with the {k} {i[f'accuracy_{k}']:.3f}" for k in ("solution", "answer") if f"accuracy_{k}" in i]
+        if asked:  # a student warmed up with privileged context (model_pair.embedded.privileged)
+            print(f"  greedy accuracy asked with privileged context: {', '.join(asked)}")
         if line := _against_shipped(getattr(prepared, role)):
             print(f"  {line}")
     return 0

@@ -93,6 +93,10 @@ class EmbeddedPairConfig:
     # of a multi-teacher run, trained on its domain while the run's task (its eval set excluded
     # as always) draws every operator; null: the task's own (in the key only when set)
     sft_ops: str | None = None
+    # share of the student's SFT draws asked with privileged context in the prompt (the worked
+    # solution or the final answer, as teacher.privileged asks it; opd_exp/pairs/embedded/privileged.py):
+    # a student that can be its own teacher; 0: none (in the key only when > 0)
+    privileged: float = 0.0
     threads: int = 0  # torch CPU threads during preparation (0 = auto: few, never more than idle cores); not in the key
 
     def __post_init__(self) -> None:
@@ -101,6 +105,7 @@ class EmbeddedPairConfig:
         _check(isinstance(self.n_sft, int) and self.n_sft >= 1, "model_pair.embedded.n_sft", self.n_sft, "an integer >= 1")
         _check(isinstance(self.n_check, int) and self.n_check >= 0, "model_pair.embedded.n_check", self.n_check, "an integer >= 0")
         _check(0.0 <= self.recovery < 1.0, "model_pair.embedded.recovery", self.recovery, "a share in [0, 1)")
+        _check(0.0 <= self.privileged < 1.0, "model_pair.embedded.privileged", self.privileged, "a share in [0, 1)")
         _check(
             self.sft_ops is None or (isinstance(self.sft_ops, str) and self.sft_ops and set(self.sft_ops) <= set("+-*")),
             "model_pair.embedded.sft_ops",

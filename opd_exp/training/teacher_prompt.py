@@ -21,16 +21,21 @@ from opd_exp.training.batch import Batch, positions_from_mask
 PROMPT_CAP_FACTOR = 4  # the teacher's prompt may hold this many times rollout.max_prompt_tokens
 
 
+def with_context(problem, kind: str):
+    """``problem`` whose prompt carries the privileged context (``solution`` | ``answer``) before the
+    problem, so it ends as the student's does (the default teacher prompt, and the embedded
+    self-distillation world's SFT data: opd_exp/pairs/embedded/privileged.py)."""
+    context = {"solution": f"Reference solution: {problem.solution}", "answer": f"Reference answer: {problem.answer}"}[kind]
+    return dataclasses.replace(problem, prompt=f"{context}\n\n{problem.prompt}")
+
+
 def privileged_prompt(task, problem, kind: str, tokenizer) -> str:
-    """The teacher's rendered prompt: the task's own (``task.privileged_prompt``) or the default,
-    the context written before the problem so the prompt ends as the student's does."""
+    """The teacher's rendered prompt: the task's own (``task.privileged_prompt``) or the default
+    (``with_context``)."""
     own = getattr(task, "privileged_prompt", None)
     if own is not None:
         return own(problem, kind, tokenizer)
-    from opd_exp.tasks.base import Problem
-
-    context = {"solution": f"Reference solution: {problem.solution}", "answer": f"Reference answer: {problem.answer}"}[kind]
-    return task.render_prompt(Problem(prompt=f"{context}\n\n{problem.prompt}", answer=problem.answer, solution=problem.solution), tokenizer)
+    return task.render_prompt(with_context(problem, kind), tokenizer)
 
 
 class TeacherPrompt:

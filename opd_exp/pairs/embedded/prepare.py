@@ -92,6 +92,11 @@ def model_key(role: str, pair: EmbeddedPairConfig, task: TaskConfig) -> dict:
 
         plain = model_key(role, dataclasses.replace(pair, recovery=0.0), task)
         return {**plain, "recovery": {"share": pair.recovery, "recipe": RECIPE}}
+    if role == "student" and pair.privileged > 0:  # only then: every other key stays what it was
+        from opd_exp.pairs.embedded.privileged import RECIPE
+
+        plain = model_key(role, dataclasses.replace(pair, privileged=0.0), task)
+        return {**plain, "privileged": {"share": pair.privileged, "recipe": RECIPE}}
     if pair.sft_ops:  # in the key only when set: every other key stays what it was
         if task.name in EMBEDDED_TASKS:
             fail("model_pair.embedded.sft_ops", pair.sft_ops, f"null with task={task.name} (operators are arithmetic's)")
@@ -205,6 +210,11 @@ def _build_model(folder: Path, role: str, pair: EmbeddedPairConfig, task: TaskCo
         from opd_exp.pairs.embedded.recovery import with_recovery
 
         problems = with_recovery(problems, pair.recovery, pair.seed)
+    context = role == "student" and pair.privileged > 0
+    if context:
+        from opd_exp.pairs.embedded.privileged import with_privileged
+
+        problems = with_privileged(problems, pair.privileged, pair.seed)
     if role == "student" and task.name == "calc_tool":  # a student that answers some prompts without the tool
         from opd_exp.pairs.embedded.tool import DIRECT_SHARE, with_direct_answers
 
@@ -224,13 +234,23 @@ def _build_model(folder: Path, role: str, pair: EmbeddedPairConfig, task: TaskCo
     checks = evals[: pair.n_check]
     started = time.perf_counter()
     score = {"accuracy": float("nan"), "format_rate": float("nan"), "n": 0}
+    extra: dict[str, float] = {}
     if checks:
         max_new = max(len(p.solution) for p in checks) + 8
         score = evaluate_accuracy(model, tokenizer, build_task(task), checks, batch_size=256, max_new_tokens=max_new)
+        if context:  # the same problems asked as teacher.privileged asks them: how much the context helps
+            from opd_exp.pairs.embedded.privileged import KINDS
+            from opd_exp.training.teacher_prompt import with_context
+
+            for kind in KINDS:
+                asked = [with_context(p, kind) for p in checks]
+                got = evaluate_accuracy(model, tokenizer, build_task(task), asked, batch_size=256, max_new_tokens=max_new)
+                extra[f"accuracy_{kind}"] = got["accuracy"]
     save_model(model, tokenizer, folder)
     return {
         "role": role,
         "accuracy": score["accuracy"],
+        **extra,
         "format_rate": score["format_rate"],
         "n_check": score["n"],
         "params": count_parameters(model),
