@@ -239,6 +239,46 @@ def test_a_resumed_run_equals_the_straight_one(teacher, tiny_dir, tmp_path):
         assert torch.equal(pa, pb)
 
 
+@pytest.mark.slow
+def test_an_ema_run_killed_at_a_random_step_then_rerun_equals_the_straight_one(local_pair_dir, tmp_path):
+    """SIGKILL through the real CLI (no chance to save: the run restarts from its last periodic
+    checkpoint, teacher.safetensors with it), then the same command: every metric of every step,
+    the student's and the EMA teacher's weights equal the uninterrupted run's, bit for bit."""
+    import random
+    import signal
+    import time
+
+    from safetensors.torch import load_file
+
+    from helpers.reliability import BASE, comparable, pair_args, popen, read_metrics, run_subprocess
+    from opd_exp.runtime import checkpoint
+
+    steps = 24
+    args = pair_args(local_pair_dir) + BASE
+    args += ["teacher=ema", "teacher.decay=0.8", "teacher.privileged=answer", "divergence=rkl", f"trainer.max_steps={steps}"]
+    args += ["checkpoint.every=5", "checkpoint.keep=2"]
+    straight = run_subprocess(args, tmp_path / "straight")
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    run_dir, k = tmp_path / "killed", random.Random().randint(7, steps - 4)
+    proc, deadline = popen(args, run_dir), time.monotonic() + 240
+    metrics = run_dir / "metrics.jsonl"
+    while (not metrics.is_file() or len(metrics.read_text().splitlines()) < k) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert proc.poll() is None, proc.communicate()[1][-2000:]
+    proc.send_signal(signal.SIGKILL)
+    proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL and 0 < len(read_metrics(run_dir)) - 1 < steps
+    assert (checkpoint.latest(run_dir) / checkpoint.TEACHER_FILE).is_file()  # the teacher state it resumes from
+    again = run_subprocess(args, run_dir)
+    assert again.returncode == 0 and "opd-train: resuming from step " in again.stderr, again.stderr[-3000:]
+    got, want = comparable(read_metrics(run_dir)), comparable(read_metrics(tmp_path / "straight"))
+    assert [r["step"] for r in got] == list(range(steps + 1)) and got == want
+    assert any(r["self/weight_distance"] > 0 for r in want[1:])  # the teacher moved: not a run of no-ops
+    for name in ("model.safetensors", checkpoint.TEACHER_FILE):
+        a, b = (load_file(str(checkpoint.latest(d) / name)) for d in (run_dir, tmp_path / "straight"))
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a), name
+
+
 def test_a_checkpoint_without_teacher_state_is_refused_for_an_ema_run(tiny_dir, tmp_path):
     Trainer(small_config(trainer={"max_steps": 1}, checkpoint={"every": 1}), tmp_path, pair=_pair(tiny_dir), task=AddTask()).run()
     ema = Trainer(small_config(teacher={"name": "ema"}, trainer={"max_steps": 2}), tmp_path, pair=_pair(tiny_dir), task=AddTask())
