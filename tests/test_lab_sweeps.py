@@ -29,6 +29,7 @@ CLAIMS = {  # every lab sweep answers one claim in docs/lab.md
     "lab_reward_vs_opd_weak",
     "lab_on_policy_mismatch",
     "lab_fixed_negative",
+    "lab_staleness",
     "lab_self_distill",
 }
 
