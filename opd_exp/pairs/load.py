@@ -85,7 +85,7 @@ def resolve_pair(pair_cfg: Any, task_cfg: Any = None, *, progress: bool = True) 
                 smollm2 = prepare_smollm2(cfg.smollm2)
             out.append(str(getattr(smollm2, role)))
         elif value.startswith(PYPI_PREFIX):
-            from opd_exp.pairs import pypi_gguf
+            import opd_exp.pairs.pypi_gguf as pypi_gguf
 
             pypi_gguf.model(value[len(PYPI_PREFIX) :], f"model_pair.{key}")  # an unknown name: one line
             out.append(str(pypi_gguf.prepare(value[len(PYPI_PREFIX) :])))

