@@ -133,6 +133,7 @@ fails(lambda: register_task("arithmetic", lambda cfg: None))
     ]
 
 
+@pytest.mark.slow  # a whole opd-train process end to end
 def test_unknown_names_list_the_registered_ones(tmp_path):
     env = dict(os.environ, OPD_PLUGINS=str(EXAMPLE))
     env.pop("HYDRA_FULL_ERROR", None)

@@ -60,6 +60,7 @@ def _dry(tmp_path, *extra):
     return subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "offline"}, timeout=300)
 
 
+@pytest.mark.slow  # a whole opd-train process end to end
 def test_dry_launcher_validates_every_job_and_writes_nothing(tmp_path):
     ok = _dry(tmp_path)
     jobs = [line for line in ok.stdout.splitlines() if line.startswith("opd-train: dry run: job #")]
@@ -73,6 +74,7 @@ def test_dry_launcher_validates_every_job_and_writes_nothing(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no sweep folder, no multirun.yaml
 
 
+@pytest.mark.slow  # a whole opd-train process end to end
 def test_local_launcher_a_killed_job_fails_alone_with_one_line(tmp_path):
     """SIGKILL to one job's process (what the OOM killer does): one line names the job, the other jobs finish."""
     import os

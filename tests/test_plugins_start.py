@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "docs" / "examples" / "my_extensions.py"
 
@@ -55,6 +57,7 @@ def test_a_plugin_divergence_with_a_wrong_cost_is_refused_at_start(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+@pytest.mark.slow  # a whole opd-train process end to end
 def test_a_passing_plugin_is_checked_once_per_version_of_its_source(tmp_path):
     plugin = tmp_path / "jeff.py"
     plugin.write_text(EXAMPLE.read_text())
