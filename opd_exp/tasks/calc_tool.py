@@ -44,7 +44,7 @@ class ToolProblem(Problem):
 
 
 class ParseError(ValueError):
-    pass
+    """A calculator call the safe parser refuses (the environment answers it with an error text)."""
 
 
 def calculate(expression: str) -> int:

@@ -56,10 +56,10 @@ class InLoop:
         return {}, {}
 
     def load_state(self, meta: dict[str, Any] | None, tensors: dict[str, torch.Tensor]) -> None:
-        pass
+        """Nothing is in flight between steps of the loop: nothing to restore."""
 
     def close(self) -> None:
-        pass
+        """No process or thread of its own to stop."""
 
 
 @dataclasses.dataclass
