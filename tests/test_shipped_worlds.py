@@ -21,6 +21,7 @@ WORLDS = {
     "multimodal": ["model_pair=embedded_multimodal", "task=multimodal"],
     "chain": ["model_pair=embedded_chain", "task=chain"],
     "self_distill": ["model_pair=embedded_self_distill", "teacher=live", "teacher.privileged=solution"],
+    "tool": ["model_pair=embedded_tool", "task=calc_tool"],
 }
 
 
