@@ -137,6 +137,18 @@ def test_returns_values_padded_and_packed_match_exactly():
     torch.testing.assert_close(d.full(zsp, ztp, mask=mp)[mp], d.full(zs, zt, mask=mask)[mask], rtol=0, atol=0)
 
 
+def test_a_gap_in_the_mask_is_not_a_step_of_the_discount():
+    """An episode's environment tokens (mask 0 between the student's): gamma counts masked positions only."""
+    c, v = torch.tensor([[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]]), torch.tensor([[10.0, 20.0, 30.0, 40.0, 50.0, 60.0]])
+    mask = torch.tensor([[True, False, False, True, True, False]])
+    R = sequence_returns(c, v, mask, 0.5)
+    # by hand: position 0's next trained token is 3 (one step), then 4 (two steps)
+    torch.testing.assert_close(R, torch.tensor([[1.0 + 0.5 * 40.0 + 0.25 * 50.0, 0.0, 0.0, 4.0 + 0.5 * 50.0, 5.0, 0.0]]))
+    # with no gap the same tokens give the same returns
+    packed = sequence_returns(c[:, [0, 3, 4]], v[:, [0, 3, 4]], mask[:, [0, 3, 4]], 0.5)
+    assert torch.equal(packed, R[:, [0, 3, 4]])
+
+
 def test_all_masked_batch_gives_zero_not_nan():
     c = torch.full((2, 4), float("nan"))
     mask = torch.zeros(2, 4, dtype=torch.bool)

@@ -171,3 +171,43 @@ def test_the_check_fails_when_environment_tokens_are_trained(est, loss, credit, 
     wrong = expected_gradient(cfg, theta, teacher, train_env_tokens=True, zero_rows=zero_rows)
     assert _rel(wrong, exact_gradient(cfg, theta, teacher)) > 1e-3
     assert max(zero_rows) > 1e-3  # and the rows the student never samples from are pushed
+
+
+def discounted_gradient(cfg, theta, teacher, gamma: float) -> torch.Tensor:
+    """The expected gradient of sequence credit at ``loss.gamma=gamma``, by enumeration: each student
+    position's own grad D_t, plus its score times the later student positions' D_t' discounted by
+    gamma per STUDENT token between them (environment tokens are not a step of the discount)."""
+    d = get_divergence(cfg.divergence.name.value, **cfg.divergence.params())
+    J = torch.zeros((), dtype=torch.float64)
+    for tokens, who in EPISODES:
+        D = d.full(_logits(theta, tokens), _logits(teacher, tokens))[0]  # [L], each with grad through its own row
+        logp = _logits(theta, tokens)[0].log_softmax(-1)
+        own = [i for i, w in enumerate(who) if w]
+        term = D[own].sum()
+        for k, i in enumerate(own):
+            score = logp[i, tokens[i]] - logp[i, tokens[i]].detach()
+            future = sum(gamma ** (m - k) * D[j].detach() for m, j in enumerate(own) if m > k)
+            term = term + score * future
+        J = J + _probability(theta, tokens, who, detach=True) * term
+    grads = torch.autograd.grad(J, [theta[p] for p in PREFIXES], allow_unused=True)
+    return torch.cat([torch.zeros(V, dtype=torch.float64) if g is None else g for g in grads])
+
+
+@pytest.mark.parametrize("est", [e for e, _ in ESTIMATORS])
+@pytest.mark.parametrize("div", ["rkl", "jsd"])
+def test_gamma_discounts_by_the_students_own_tokens(est, div):
+    """loss.gamma < 1: the discount between two student tokens is gamma^(student tokens between
+    them), never counting the environment's (before the fix an episode's tool answer cost a factor)."""
+    theta, teacher = _tables(7)
+    cfg = small_config(
+        estimator={"name": est, "k": 2}, loss={"name": "reinforce", "credit": "sequence", "gamma": 0.5}, divergence={"name": div}
+    )
+    got = expected_gradient(cfg, theta, teacher)
+    torch.testing.assert_close(got, discounted_gradient(cfg, theta, teacher, 0.5), rtol=1e-9, atol=1e-12)
+    # gamma=1 is the exact gradient itself (the same helper, so the check above can tell them apart)
+    assert (
+        _rel(discounted_gradient(cfg, theta, teacher, 1.0), exact_gradient(_cfg(est, "reinforce", "sequence", div), theta, teacher)) < 1e-9
+    )
+    assert (
+        _rel(discounted_gradient(cfg, theta, teacher, 0.5), exact_gradient(_cfg(est, "reinforce", "sequence", div), theta, teacher)) > 1e-3
+    )

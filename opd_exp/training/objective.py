@@ -7,7 +7,7 @@ micro-batches gives exactly the gradient of one big batch. Metric sums are retur
 unnormalised for the same reason.
 
 Estimators (student-sampled batches):
-  sampled      R_t = c_t (credit=token) or c_t + sum gamma^k v_{t+k} (credit=sequence), minus
+  sampled      R_t = c_t (credit=token) or c_t + sum gamma^k v_{t+k} (credit=sequence; k counts trained tokens), minus
                b_t = the score-weighted mean cost under S with ``estimator.baseline`` (a control variate that never reads y_t:
                the same expected gradient, a lower variance; ``divergences.baseline``)
                ppo:       -min(A r, A clip(r)), A = -kl_coef R, r = exp(logp - logp_old)
