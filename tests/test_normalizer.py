@@ -6,12 +6,14 @@ what docs/training.md states."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import pytest
 import torch
 
 from helpers.tiny import small_config
+from opd_exp.config.world import TaskConfig
 from opd_exp.training.objective import Objective, loss_normalizer
 from opd_exp.training.scoring import TeacherScores
 
@@ -123,3 +125,20 @@ def test_the_normalizer_values():
     cfg = small_config(rollout={"max_new_tokens": 7}, loss={"normalizer": "constant"})
     assert loss_normalizer(cfg, 13, 4) == 28.0
     assert loss_normalizer(small_config(), 13, 4) == 13.0  # tokens, the default
+
+
+def test_the_constant_of_an_episode_is_its_student_token_budget():
+    """A task with an environment: rows x the episode's budget (rollout.max_episode_tokens, at most
+    max_turns turns at their cap), not rows x one turn's cap."""
+    ro = {"max_new_tokens": 24, "max_turns": 4, "max_episode_tokens": 64}
+
+    def episodes(**r):
+        cfg = small_config(rollout={**ro, **r}, loss={"normalizer": "constant"})
+        return dataclasses.replace(cfg, task=TaskConfig(name="calc_tool"))
+
+    assert loss_normalizer(episodes(), 13, 4) == 4 * 64.0
+    assert loss_normalizer(episodes(max_episode_tokens=None), 13, 4) == 4 * 96.0  # every turn at its cap
+    assert loss_normalizer(episodes(max_episode_tokens=500), 13, 4) == 4 * 96.0  # the turns bound it first
+    assert loss_normalizer(episodes(max_turns=1), 13, 4) == 4 * 24.0  # one turn
+    # a task without an environment is one turn whatever rollout.max_turns says
+    assert loss_normalizer(small_config(rollout=ro, loss={"normalizer": "constant"}), 13, 4) == 4 * 24.0

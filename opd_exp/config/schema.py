@@ -185,8 +185,8 @@ class LossConfig:
     # optimizer steps per PPO pass, each on a disjoint share of the rollout's rows (docs/training.md)
     ppo_mini_batches: int = 1
     # what the summed loss is divided by: tokens (the step's trained tokens; the default, as TRL and
-    # verl, and what every pinned number was made with) | constant (rows x rollout.max_new_tokens:
-    # unbiased for responses of any length)
+    # verl, and what every pinned number was made with) | constant (rows x rollout.max_new_tokens, or
+    # for episodes x their budget rollout.max_episode_tokens: unbiased for responses of any length)
     normalizer: Normalizer = Normalizer.tokens
 
     def __post_init__(self) -> None:

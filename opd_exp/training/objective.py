@@ -65,12 +65,25 @@ from opd_exp.training.staleness import build_correction
 __all__ = ["Objective", "Output", "metric_beta", "position_mask", "ppo_surrogate"]
 
 
+def student_token_budget(cfg: TrainConfig) -> int:
+    """The most tokens the student writes in one rollout row: ``rollout.max_new_tokens`` for one
+    turn; for an episode (a task with an environment) its budget ``rollout.max_episode_tokens``, at
+    most ``max_turns`` turns at their cap (environment tokens take from it, never add to it)."""
+    from opd_exp.tasks.environment import environment_names
+
+    ro = cfg.rollout
+    if cfg.task.name not in environment_names():
+        return ro.max_new_tokens
+    return min(ro.episode_tokens, ro.max_turns * ro.max_new_tokens)
+
+
 def loss_normalizer(cfg: TrainConfig, n_tokens: int, n_rows: int) -> float:
     """What a step's (or PPO mini-batch's) summed loss is divided by (``loss.normalizer``): its
-    trained-token count, or the constant ``n_rows`` x ``rollout.max_new_tokens``. Only the constant
-    keeps E[grad loss] equal to the gradient of the per-token target when lengths vary (EOS)."""
+    trained-token count, or the constant ``n_rows`` x the student's token budget per row
+    (``student_token_budget``). Only the constant keeps E[grad loss] equal to the gradient of the
+    per-token target when lengths vary (EOS, episodes)."""
     if cfg.loss.normalizer.value == "constant":
-        return float(n_rows * cfg.rollout.max_new_tokens)
+        return float(n_rows * student_token_budget(cfg))
     return float(n_tokens)
 
 
