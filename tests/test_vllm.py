@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers.tiny import small_config
+from helpers.tiny import AddTask, small_config
 from opd_exp.config import schema as S
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.monitors import logprob_gap
@@ -325,3 +325,97 @@ def test_only_the_known_vllm_warnings_are_dropped(caplog):
         "QKVParallelLinear: Failed to load weights",
         "RotaryEmbedding: Failed to load weights",
     ]
+
+
+# -- episodes (a task with an environment) on the vLLM engine -----------------------------------------
+def test_sample_turns_gives_each_row_its_cap_and_the_single_token_stops(tiny_pair):
+    """One request per episode on its tokens so far; each row's own cap; a one-token stop string ends
+    the request in vLLM (kept, as EOS is), a longer one cannot (the episode cuts it)."""
+    eng = _engine(tiny_pair, PROCESSED)
+    seen = []
+    real = eng.llm.generate
+    eng.llm.generate = lambda requests, params, use_tqdm=False: seen.append((requests, params)) or real(requests, params)
+    tok = tiny_pair.tokenizer
+    contexts = [tok("1+2=", add_special_tokens=False)["input_ids"], tok("34+5=3;=1+", add_special_tokens=False)["input_ids"]]
+    stop_ids = [tok(s, add_special_tokens=False)["input_ids"] for s in (";", "12")]
+    out = eng.sample_turns(contexts, [5, 2], [7, 8], greedy=False, stop_ids=stop_ids)
+    (requests, params) = seen[-1]
+    assert [r["prompt_token_ids"] for r in requests] == contexts
+    assert [p.max_tokens for p in params] == [5, 2] and [p.seed for p in params] == [7, 8]
+    assert all(p.stop_token_ids == [*eng.eos_ids, stop_ids[0][0]] for p in params)  # ";" only: "12" is two tokens
+    assert [len(t) <= c for t, c in zip(out.tokens, [5, 2])] == [True, True]
+    assert [len(lp) for lp in out.logprobs] == [len(t) for t in out.tokens] and all(v < 0 for lp in out.logprobs for v in lp)
+    for row in out.tokens:  # a row ends at the first EOS or ";" if it has one
+        ends = [k for k, t in enumerate(row) if t in params[0].stop_token_ids]
+        assert not ends or ends[0] == len(row) - 1
+    eng.processed = False  # raw log-probs are never compared with ours
+    assert eng.sample_turns(contexts, [3, 3], None, greedy=False, stop_ids=stop_ids).logprobs is None
+
+
+def test_episodes_run_on_the_vllm_engine_through_the_trainer(tiny_pair, tmp_path, monkeypatch):
+    """A task with an environment on rollout.engine=vllm: the environment's tokens are in the layout
+    with loss_mask 0 and no engine log-prob; the student's tokens carry the engine's log-probs, equal
+    to the trainer's (the gap is float-level every step); the episode metrics are logged."""
+    import dataclasses
+
+    import opd_exp.training.rollout_vllm as RV
+    from opd_exp.config.world import TaskConfig
+    from opd_exp.tasks import register_task
+    from opd_exp.tasks.environment import Environment, Reply, register_environment
+    from opd_exp.training.episodes import EpisodeRollout
+    from opd_exp.training.trainer import Trainer
+
+    class Echo(Environment):
+        stop = ("7", ";", "+")
+
+        def step(self, view):
+            return Reply.end() if view.eos else Reply(f"={view.turn}+")
+
+    class EchoTask(AddTask):
+        name = "tiny_echo_vllm_fake"
+
+    register_task(EchoTask.name, lambda cfg: EchoTask(), replace=True)
+    register_environment(EchoTask.name, lambda cfg: Echo(), replace=True)
+    monkeypatch.setattr(RV, "require_vllm", lambda: None)
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "1")
+    engine_model = copy.deepcopy(tiny_pair.student)
+    monkeypatch.setattr(VllmRollout, "make_llm", staticmethod(lambda **kw: (FakeLLM(engine_model, logprobs_mode=PROCESSED, **kw), True)))
+    monkeypatch.setattr(VllmRollout, "sampling_params_class", staticmethod(lambda: FakeSamplingParams))
+    tiny_pair.student.name_or_path = "tiny-student"
+    cfg = small_config(
+        divergence=dict(name="rkl"),
+        rollout=dict(engine=S.RolloutEngine.vllm, max_new_tokens=4, max_turns=3, max_episode_tokens=10),
+        estimator=dict(name="sampled"),
+        loss=dict(name="reinforce"),
+        trainer=dict(max_steps=3, batch_size=4),
+    )
+    t = Trainer(dataclasses.replace(cfg, task=TaskConfig(name=EchoTask.name)), tmp_path / "run", pair=tiny_pair, task=EchoTask())
+    assert isinstance(t.engines.student, EpisodeRollout) and isinstance(t.engines.student.inner, VllmRollout)
+    assert t.engines.student.inner.llm.kwargs["max_model_len"] == 8 + 10  # the prompt and the episode's budget
+    batches, sample = [], t.sample
+    t.sample = lambda step: batches.append(sample(step)) or batches[-1]
+    out = [t.train_step() for _ in range(3)]
+    env_tokens = sum(int((b.response_mask & ~b.loss_mask).sum()) for b in batches)
+    assert env_tokens > 0 and max(m["episode/turns_mean"] for m in out) > 1
+    for b, m in zip(batches, out):
+        assert torch.all(b.sampling_logprobs[b.response_mask & ~b.loss_mask] == 0)
+        assert torch.all(b.sampling_logprobs[b.loss_mask] < 0)
+        assert m["rollout/logprob_gap"] < 1e-4 and m["response/length_mean"] == pytest.approx(m["episode/student_tokens_mean"])
+        assert int(b.response_mask.sum(1).max()) <= 10
+    assert t.engines.student.inner.version == 2 and len(t.engines.student.inner.llm.loads) == 3
+
+
+def test_a_student_whose_head_size_vllms_cpu_attention_cannot_run_is_one_line(tiny_pair, monkeypatch):
+    """The tiny student (head_dim 16) against the head sizes vLLM 0.32's CPU attention lists: refused
+    before vLLM starts; one of them (a stand-in list holding 16) passes."""
+    import sys
+
+    from opd_exp.training.rollout_vllm import check_cpu_attention
+
+    backend = SimpleNamespace(get_supported_head_sizes=lambda: [32, 64, 128])
+    monkeypatch.setitem(sys.modules, "vllm.v1.attention.backends.cpu_attn", SimpleNamespace(CPUAttentionBackend=backend))
+    with pytest.raises(ConfigError) as ex:
+        check_cpu_attention(tiny_pair.student)
+    assert str(ex.value).count("\n") == 0 and "head_dim=16" in str(ex.value) and "[32, 64, 128]" in str(ex.value)
+    backend.get_supported_head_sizes = lambda: [16, 32]
+    check_cpu_attention(tiny_pair.student)

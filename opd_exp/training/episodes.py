@@ -21,6 +21,7 @@ An episode that runs away (no stop, endless tool calls) ends at its budget or at
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -252,13 +253,19 @@ class EpisodeRollout(RolloutEngine):
 
 class EpisodeSource:
     """A rollout source (``training/producer.py``'s ``InLoop``) whose step metrics also say what
-    its episodes did (``EpisodeLog``); everything else is the wrapped source's."""
+    its episodes did (``EpisodeLog``); everything else is the wrapped source's. ``train_env_tokens``
+    (``rollout.env_tokens=trained``, an ablation): the training batches' loss mask is their whole
+    layout, the environment's tokens trained as if the student had written them (no engine sampled
+    those, so no engine log-probs either: ``rollout/logprob_gap`` is not measured)."""
 
-    def __init__(self, inner, log: EpisodeLog):
-        self.inner, self.log = inner, log
+    def __init__(self, inner, log: EpisodeLog, *, train_env_tokens: bool = False):
+        self.inner, self.log, self.train_env_tokens = inner, log, train_env_tokens
 
     def generate(self, step: int, prompts: list[str], seeds, *, on_policy: bool) -> Batch:
-        return self.inner.generate(step, prompts, seeds, on_policy=on_policy)
+        batch = self.inner.generate(step, prompts, seeds, on_policy=on_policy)
+        if self.train_env_tokens:
+            batch = dataclasses.replace(batch, loss_mask=batch.response_mask.clone(), sampling_logprobs=None)
+        return batch
 
     def metrics(self) -> dict[str, float]:
         return {**self.inner.metrics(), **self.log.metrics()}

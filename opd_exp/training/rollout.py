@@ -391,6 +391,30 @@ class RolloutEngine(abc.ABC):
         """Make the engine sample ``model``'s current weights (``version``: the trainer step).
         In-process engines sample the live module and need nothing."""
 
+    # what an episode (training/episodes.py) asks of an engine besides ``sample_turns``: the ids that end
+    # a turn as EOS, the pad id, and where its batches live
+    eos_ids: list[int]
+    pad: int
+    device: torch.device = torch.device("cpu")
+
+    def sample_turns(self, contexts: list[list[int]], caps: list[int], seeds: list[int] | None, *, greedy: bool, stop_ids) -> Turns:
+        """One turn of each episode (``training/episodes.py``): row j continues ``contexts[j]`` (its
+        tokens so far, the prompt included) by up to ``caps[j]`` tokens, ending early at EOS or at one
+        of ``stop_ids`` where the engine can (the caller cuts each row at its turn's end: tokens after
+        it are discarded, a stopping rule). ``seeds``: one per row for this turn, or None (torch's RNG).
+        An engine that does not override this cannot run episodes (one line at start-up)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Turns:
+    """What ``sample_turns`` returns: each row's new tokens, and the engine's log-probs of them under
+    the sampled distribution (None: greedy, or an engine that reports none)."""
+
+    tokens: list[list[int]]
+    logprobs: list[list[float]] | None
+    dtype: torch.dtype = torch.float32  # the log-probs' dtype in the batch
+
 
 class ModuleRollout(RolloutEngine):
     """In-process sampling over the trainer's own module by one decoder, a plug-in with
@@ -438,6 +462,48 @@ class ModuleRollout(RolloutEngine):
                 row_seeds=None if greedy else seeds,
                 **synced,
             )
+
+    @property
+    def eos_ids(self) -> list[int]:
+        return eos_token_ids(self.tokenizer, self.model)
+
+    @property
+    def pad(self) -> int:
+        return self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def sample_turns(self, contexts, caps, seeds, *, greedy, stop_ids) -> Turns:
+        """The decoder on the episodes so far, left-padded as tokens, every row to the largest cap."""
+        width = max(len(c) for c in contexts)
+        ctx = torch.full((len(contexts), width), self.pad, dtype=torch.long)
+        ctx_mask = torch.zeros((len(contexts), width), dtype=torch.long)
+        for j, row in enumerate(contexts):
+            if row:
+                ctx[j, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+                ctx_mask[j, width - len(row) :] = 1
+        synced = {"synced_gpus": True} if self.synced_gpus and not greedy else {}
+        with self.autocast():
+            out = self.decoder(
+                self.model,
+                self.tokenizer,
+                None,
+                n_samples=1,
+                do_sample=not greedy,
+                max_new_tokens=max(caps),
+                max_prompt_tokens=width,  # the episode so far is never cut (the budget bounds it)
+                sampling=self.sampling,
+                source=self.source,
+                vocab_size=self.vocab_size,
+                row_seeds=None if greedy else seeds,
+                encoded=(ctx, ctx_mask),
+                stop_ids=stop_ids,
+                **synced,
+            )
+        lp = out.sampling_logprobs
+        return Turns(out.response_ids.tolist(), None if lp is None else lp.tolist(), torch.float32 if lp is None else lp.dtype)
 
 
 def warn_ignored_generation_settings(pair, warn) -> None:

@@ -64,7 +64,7 @@ from typing import Any
 import torch
 
 from opd_exp.runtime.errors import ConfigError
-from opd_exp.training.rollout import Batch, RolloutEngine, encode_prompts, eos_token_ids
+from opd_exp.training.rollout import Batch, RolloutEngine, Turns, encode_prompts, eos_token_ids
 from opd_exp.training.sampling import SamplingSpec
 
 PROCESSED = "processed_logprobs"
@@ -86,6 +86,24 @@ def require_vllm() -> None:
         raise ConfigError(
             "rollout.engine='vllm' needs the vllm package, which is not installed; "
             "allowed: pip install 'opd-exp[vllm]' (on a CUDA machine), or rollout.engine=hf"
+        )
+
+
+def check_cpu_attention(student) -> None:
+    """One line, before vLLM starts, for a student whose head size vLLM's CPU attention does not run
+    (0.32: 32, 64, 80, ... 512; the embedded worlds' 12 and 16 fail deep in its start-up otherwise)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+        sizes = list(CPUAttentionBackend.get_supported_head_sizes())
+    except (ImportError, AttributeError):  # another vLLM: its own error, if any
+        return
+    c = student.config
+    head = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    if head not in sizes:
+        raise ConfigError(
+            f"rollout.engine='vllm': the student's head_dim={head} is not one vLLM's CPU attention runs; "
+            f"allowed: a student with head_dim in {sizes}, or rollout.engine=lean or hf"
         )
 
 
@@ -214,7 +232,12 @@ class VllmRollout(RolloutEngine):
         dtype = torch.bfloat16 if tc.precision.value == "bf16" else param.dtype  # what the trainer computes in
         on_cpu = param.device.type == "cpu"
         if on_cpu:
+            check_cpu_attention(student)
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+        # the prompt cap and a response (an episode: its whole budget), within the model's positions
+        max_model_len = ro.max_prompt_tokens + max(ro.max_new_tokens, ro.episode_tokens)
+        positions = getattr(getattr(student, "config", None), "max_position_embeddings", None)
+        max_model_len = min(max_model_len, int(positions)) if positions else max_model_len
         llm, processed = cls.make_llm(
             model=str(path),
             skip_tokenizer_init=True,  # token ids in and out
@@ -223,7 +246,7 @@ class VllmRollout(RolloutEngine):
             seed=cfg.seed,
             enable_prefix_caching=False,
             enforce_eager=on_cpu,  # no torch.compile of the CPU model at start-up (minutes on a few cores)
-            max_model_len=ro.max_prompt_tokens + ro.max_new_tokens,
+            max_model_len=max_model_len,
         )
         if not processed:
             (warn or (lambda s: print(s, file=sys.stderr, flush=True)))(
@@ -267,17 +290,17 @@ class VllmRollout(RolloutEngine):
     def sync(self, model, version: int) -> None:
         self.sync_weights(model, version)
 
-    def _params(self, seed: int, greedy: bool = False):
+    def _params(self, seed: int, greedy: bool = False, max_tokens: int | None = None, stop_ids: Sequence[int] = ()):
         kw = dict(
             NEUTRAL_SAMPLING,
             n=1,
             temperature=0.0 if greedy else self.sampling.temperature,
             top_p=self.sampling.top_p,
             top_k=self.sampling.top_k if self.sampling.top_k > 0 else -1,
-            max_tokens=self.max_new_tokens,
+            max_tokens=self.max_new_tokens if max_tokens is None else max_tokens,
             logprobs=0,
             seed=int(seed) % (2**31 - 1),
-            stop_token_ids=self.eos_ids,
+            stop_token_ids=[*self.eos_ids, *stop_ids],
             detokenize=False,
         )
         if self.model_vocab and self.model_vocab > self.vocab_size:  # padded embedding rows: never sampled (as in HF)
@@ -289,27 +312,10 @@ class VllmRollout(RolloutEngine):
         """``n_samples`` responses per prompt (rows prompt-major) as a ``Batch``; every sampled
         row carries its own seed (vLLM has no global RNG to share): ``seeds``, or drawn from torch's."""
         prompts = [p for p in prompts for _ in range(n_samples)]
-        if greedy:
-            row_seeds = [0] * len(prompts)
-        elif seeds is None:  # one seed per row from torch's RNG (seeded per step by the trainer: resume-exact)
-            row_seeds = torch.randint(0, 2**31 - 1, (len(prompts),)).tolist()
-        else:
-            row_seeds = list(seeds)
-        if len(row_seeds) != len(prompts):
-            raise ValueError(f"{len(row_seeds)} seeds for {len(prompts)} rows")
+        row_seeds = self._row_seeds(len(prompts), seeds, greedy)
         ids, mask = encode_prompts(self.tokenizer, prompts, self.max_prompt_tokens)
         requests = [{"prompt_token_ids": ids[i][mask[i].bool()].tolist()} for i in range(len(prompts))]
-        outs = self.llm.generate(requests, [self._params(s, greedy) for s in row_seeds], use_tqdm=False)
-        resp, lps = [], []
-        for out in outs:
-            o = out.outputs[0]
-            toks = list(o.token_ids)
-            resp.append(toks)
-            row_lp = []
-            for tok, entry in zip(toks, o.logprobs or []):
-                lp = entry[tok]
-                row_lp.append(float(getattr(lp, "logprob", lp)))
-            lps.append(row_lp)
+        resp, lps = self._read(self.llm.generate(requests, [self._params(s, greedy) for s in row_seeds], use_tqdm=False))
         R = max(1, max(len(r) for r in resp))
         N = len(prompts)
         response = torch.full((N, R), self.pad, dtype=torch.long)
@@ -329,3 +335,38 @@ class VllmRollout(RolloutEngine):
             sampling_logprobs=logprobs if self.processed else None,
             lengths=torch.tensor([len(r) for r in resp]),
         )
+
+    @torch.no_grad()
+    def sample_turns(self, contexts, caps, seeds, *, greedy, stop_ids) -> Turns:
+        """One turn of each episode (``training/episodes.py``): one request per row on the episode's
+        tokens so far, each with its own cap. A stop string that is one token ends the request in vLLM
+        (the token is kept, as EOS is); a longer one cannot (no text here: ``skip_tokenizer_init``), so
+        the row runs on to its cap and the episode cuts it at the stop."""
+        row_seeds = self._row_seeds(len(contexts), seeds, greedy)
+        single = sorted({int(s[0]) for s in stop_ids if len(s) == 1})
+        requests = [{"prompt_token_ids": list(c)} for c in contexts]
+        params = [self._params(s, greedy, max_tokens=cap, stop_ids=single) for s, cap in zip(row_seeds, caps)]
+        tokens, lps = self._read(self.llm.generate(requests, params, use_tqdm=False))
+        return Turns(tokens, lps if self.processed and not greedy else None)
+
+    @staticmethod
+    def _row_seeds(n: int, seeds: Sequence[int] | None, greedy: bool) -> list[int]:
+        """Every sampled row carries its own seed (vLLM has no global RNG to share): ``seeds``, or
+        drawn from torch's RNG (seeded per step by the trainer: resume-exact)."""
+        if greedy:
+            return [0] * n
+        row_seeds = torch.randint(0, 2**31 - 1, (n,)).tolist() if seeds is None else list(seeds)
+        if len(row_seeds) != n:
+            raise ValueError(f"{len(row_seeds)} seeds for {n} rows")
+        return row_seeds
+
+    @staticmethod
+    def _read(outs) -> tuple[list[list[int]], list[list[float]]]:
+        """Each request's sampled ids and the engine's log-prob of each."""
+        resp, lps = [], []
+        for out in outs:
+            o = out.outputs[0]
+            toks = list(o.token_ids)
+            resp.append(toks)
+            lps.append([float(getattr(entry[tok], "logprob", entry[tok])) for tok, entry in zip(toks, o.logprobs or [])])
+        return resp, lps
