@@ -86,6 +86,7 @@ STEP: dict[str, str] = {
     "tools/calls_mean": "task=calc_tool: tool calls per episode (student turns ending at </calc>)",
     "tools/valid_rate": "share of the answered tool calls whose result is a number (not the error text)",
     "tools/result_used_rate": "of the episodes with a numeric tool result, the share whose final answer is the last result",
+    "tools/self_result_rate": "share of episodes whose student turns write <result> themselves (the tool's text)",
 }
 
 EVAL: dict[str, str] = {
@@ -99,6 +100,10 @@ EVAL: dict[str, str] = {
     "eval/pass@k": "k-sample eval: share of problems with a correct sample",
     "eval/entropy": "k-sample eval: the student's mean per-token entropy",
     "eval/self/privileged_gain": "self/privileged_gain on the eval responses",
+    "eval/tools/calls_mean": "tools/calls_mean on the student's greedy eval episodes",
+    "eval/tools/valid_rate": "tools/valid_rate on the greedy eval episodes",
+    "eval/tools/result_used_rate": "tools/result_used_rate on the greedy eval episodes",
+    "eval/tools/self_result_rate": "tools/self_result_rate on the greedy eval episodes",
 }
 
 # families: a name part in <...> stands for a teacher's name, a divergence's, a metric group's

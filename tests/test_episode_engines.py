@@ -166,9 +166,47 @@ def test_the_calculator_environment_answers_calls_and_ends_at_eos():
         Episode("p", ["<calc>1+</calc>", "#### 5"], [ERROR], "eos"),
         Episode("p", ["<calc>2*3</calc>", "#### 7"], ["<result>6</result>"], "eos"),
         Episode("p", ["#### 12"], [], "eos"),
+        Episode("p", ["<result>99</result>#### 99"], [], "eos"),  # the student writes the tool's text itself
+        Episode("p", ["<calc>2*3</calc>", "<result>6</result>#### 6"], ["<result>6</result>"], "eos"),  # and after a call
     ]
     got = env.metrics(eps)
-    assert got == {"tools/calls_mean": 0.75, "tools/valid_rate": 2 / 3, "tools/result_used_rate": 0.5}
+    want = {"tools/calls_mean": 4 / 6, "tools/valid_rate": 3 / 4, "tools/result_used_rate": 2 / 3, "tools/self_result_rate": 2 / 6}
+    assert got == pytest.approx(want, rel=1e-12) and set(got) == set(want)
+
+
+class Counting(Echo):
+    """Echo with metrics: its answers per episode, and the share of episodes longer than one turn."""
+
+    def metrics(self, episodes):
+        n = len(episodes)
+        return {
+            "tools/calls_mean": sum(len(e.replies) for e in episodes) / n,
+            "tools/valid_rate": sum(len(e.turns) > 1 for e in episodes) / n,
+        }
+
+
+def test_eval_logs_the_environments_metrics_over_every_greedy_episode(tiny_pair):
+    """eval/tools/*: the environment's metrics over the eval set's greedy episodes, all batches together
+    (equal to its metrics on the same episodes sampled in one call)."""
+    from opd_exp.training.evaluate import Evaluator
+
+    from opd_exp.tasks.base import Problem
+
+    env, task = Counting(limit=3), AddTask()
+    # prompts ending at a stop (greedy, the tiny models repeat the last character) and at none
+    task._eval = [Problem(p, "3", "3") for p in ("1+", "23+", "7", "4+7", "9+", "5=", "6+", "8=", "77", "2+")]
+    engine = _engine(tiny_pair, lean_generate, env)
+    ev = Evaluator(
+        task, tiny_pair.tokenizer, task.eval_problems(), batch_size=4, divergences={}, teacher=None,
+        student_logits=lambda b: student_logits(tiny_pair.student, b, tiny_pair.vocab_size, SamplingSpec()),
+    )  # fmt: skip
+    out = ev(engine, "cpu")
+    engine.generate([p.prompt for p in task.eval_problems()], greedy=True)
+    want = env.metrics(engine.last_episodes)
+    assert len(engine.last_episodes) == 10 and want["tools/calls_mean"] > 0 and 0 < want["tools/valid_rate"] < 1
+    assert {k: out[f"eval/{k}"] for k in want} == pytest.approx(want, rel=1e-12)
+    # a one-turn engine has no episodes: nothing under eval/tools/
+    assert not [k for k in ev(engine.inner, "cpu") if k.startswith("eval/tools/")]
 
 
 def test_the_embedded_tokenizer_spells_the_tool_tags_one_token_per_character():
@@ -215,6 +253,37 @@ def test_a_run_on_a_task_with_an_environment_logs_episode_metrics(tiny_pair, tmp
     assert max(r["episode/turns_mean"] for r in steps) > 1 and max(r["episode/env_tokens_mean"] for r in steps) > 0
     # the step's trained tokens are the student's only (response/length_mean counts trained tokens per row)
     assert all(r["response/length_mean"] == pytest.approx(r["episode/student_tokens_mean"]) for r in steps)
+
+
+@pytest.mark.parametrize("env_tokens", ["masked", "trained"])
+def test_env_tokens_trained_trains_the_environments_tokens_too(tiny_pair, tmp_path, echo_task, env_tokens):
+    """rollout.env_tokens=trained (the ablation): every step trains on the student's tokens and the
+    environment's (response/length_mean counts trained tokens per row); masked: the student's only."""
+    import dataclasses
+    import json
+
+    from opd_exp.training.trainer import Trainer
+
+    ro = {"max_new_tokens": 4, "max_prompt_tokens": 8, "max_turns": 3, "engine": "lean", "env_tokens": env_tokens}
+    cfg = dataclasses.replace(small_config(trainer={"max_steps": 2}, rollout=ro), task=TaskConfig(name="tiny_echo"))
+    Trainer(cfg, tmp_path, pair=tiny_pair, task=echo_task).run()
+    steps = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(steps) == 2 and sum(r["episode/env_tokens_mean"] for r in steps) > 0
+    for r in steps:
+        env = r["episode/env_tokens_mean"] if env_tokens == "trained" else 0.0
+        assert r["response/length_mean"] == pytest.approx(r["episode/student_tokens_mean"] + env, rel=1e-9)
+
+
+def test_env_tokens_trained_needs_an_environment(tiny_pair, tmp_path):
+    from opd_exp.runtime.errors import ConfigError
+    from opd_exp.training.trainer import Trainer
+
+    cfg = small_config(rollout={"env_tokens": "trained"})
+    with pytest.raises(ConfigError) as ex:
+        Trainer(cfg, tmp_path, pair=tiny_pair, task=AddTask())
+    assert str(ex.value) == (
+        "rollout.env_tokens='trained' is not allowed; allowed: masked with task=arithmetic (no environment: no environment tokens)"
+    )
 
 
 def _echo_run(tiny_dir, run_dir, stop_after=None):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 from opd_exp.config.checks import check as _check
 from opd_exp.config.checks import fail as _fail
@@ -16,6 +17,15 @@ from opd_exp.config.choices import RegistryChoice
 RolloutEngine = RegistryChoice("RolloutEngine", [(n, n) for n in ("auto", "hf", "lean", "vllm")])
 # rollout.correction (training/staleness.py registers each): recompute | is | none
 StalenessCorrection = RegistryChoice("StalenessCorrection", [(n, n) for n in ("recompute", "is", "none")])
+
+
+class EnvTokens(Enum):
+    """``rollout.env_tokens``: what an episode's environment tokens are to the loss."""
+
+    # scored by the teacher, never trained (the student trains on its own tokens only)
+    masked = "masked"
+    # an ablation: trained as if the student had written them (the lab's lab_tool_masks arm)
+    trained = "trained"
 
 
 @dataclass
@@ -60,6 +70,9 @@ class RolloutConfig:
     # episodes: tokens after the prompt (the student's and the environment's together); an episode
     # that reaches it ends there (counted: episode/budget_stops). null: max_turns x max_new_tokens
     max_episode_tokens: int | None = None
+    # episodes: masked (the environment's tokens are scored, never trained) | trained (an ablation:
+    # the student is trained on them too, as if it had written them; docs/training.md, "Episodes")
+    env_tokens: EnvTokens = EnvTokens.masked
 
     def __post_init__(self) -> None:
         _check(

@@ -142,7 +142,9 @@ class CalcEnvironment(Environment):
 
     def metrics(self, episodes: Sequence[Episode]) -> dict[str, float]:
         """``tools/*``: calls per episode (turns ending at ``</calc>``), the share of answered calls
-        with a number, and of the episodes with a number the share whose final answer is the last one."""
+        with a number, of the episodes with a number the share whose final answer is the last one, and
+        the share of episodes whose student turns write ``<result>`` themselves (the tool's text,
+        which only the environment should write: what training on environment tokens teaches)."""
         calls = sum(sum(t.endswith(END) for t in e.turns) for e in episodes)
         answered = [r for e in episodes for r in e.replies]
         valid = [v for v in map(_result_value, answered) if v is not None]
@@ -156,6 +158,7 @@ class CalcEnvironment(Environment):
             "tools/calls_mean": calls / max(len(episodes), 1),
             "tools/valid_rate": len(valid) / max(len(answered), 1),
             "tools/result_used_rate": used / max(with_result, 1),
+            "tools/self_result_rate": sum(any(RESULT in t for t in e.turns) for e in episodes) / max(len(episodes), 1),
         }
 
 

@@ -51,6 +51,14 @@ def episodes_for_task(cfg: TrainConfig, train: TrainConfig, engines: Engines, wa
 
     env = build_environment(cfg.task)
     if env is None:
+        if cfg.rollout.env_tokens.value != "masked":
+            from opd_exp.config.checks import fail
+
+            fail(
+                "rollout.env_tokens",
+                cfg.rollout.env_tokens.value,
+                f"masked with task={cfg.task.name} (no environment: no environment tokens)",
+            )
         if cfg.rollout.max_turns > 1:
             warn(
                 f"opd-train: warning: rollout.max_turns={cfg.rollout.max_turns} does nothing with task={cfg.task.name} (no environment: one turn)"
@@ -205,4 +213,4 @@ def rollout_source(cfg: TrainConfig, engines: Engines, student, tokenizer, vocab
         return source
     from opd_exp.training.episodes import EpisodeSource
 
-    return EpisodeSource(source, log)
+    return EpisodeSource(source, log, train_env_tokens=cfg.rollout.env_tokens.value == "trained")

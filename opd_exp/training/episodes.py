@@ -1,5 +1,5 @@
-"""Episode rollouts: an in-process decoder (HF ``generate`` or the lean sampler) run turn by turn
-against a task's environment (``opd_exp/tasks/environment.py``).
+"""Episode rollouts: a rollout engine (the lean sampler, HF ``generate`` or vLLM) run turn by turn
+against a task's environment (``opd_exp/tasks/environment.py``), through the engine's ``sample_turns``.
 
 Each turn the student samples, from the whole episode so far given as tokens, until one of the
 environment's stop strings, EOS, its turn cap (``rollout.max_new_tokens``) or what is left of the
@@ -9,11 +9,13 @@ its tokens, or ends the episode. The ``Batch`` has every episode position after 
 ``loss_mask`` (environment tokens are scored, never trained); ``sampling_logprobs`` are the
 student's on its own tokens, 0 elsewhere.
 
-Sampling is the wrapped decoder's, row-keyed as it is: turn k of row i draws from the generator of
+Sampling is the wrapped engine's, row-keyed as it is: turn k of row i draws from the generator of
 ``turn_seed(seed_i, k)``, so the lean and HF engines lay out the same episodes for the same seeds
-(without seeds, torch's global RNG, seeded per step by the trainer). A turn's tokens after its end
-(a row still sampling while others finish; a stop string found in the text, not only as the
-canonical tokens) are discarded: a stopping rule, the kept tokens' distribution is unchanged.
+(without seeds, torch's global RNG, seeded per step by the trainer; vLLM draws its per-request seeds
+from the same keys, its own streams). A turn's tokens after its end (a row still sampling while others
+finish; a stop string found in the text, not only as the canonical tokens; vLLM, which stops only at
+single-token stops, running on to its cap) are discarded: a stopping rule, the kept tokens'
+distribution is unchanged.
 
 An episode that runs away (no stop, endless tool calls) ends at its budget or at
 ``rollout.max_turns``, counted per step (``episode/budget_stops``, ``episode/turn_limit_stops``).
@@ -28,10 +30,7 @@ import torch
 
 from opd_exp.tasks.environment import Environment, Episode, EpisodeView
 from opd_exp.training.batch import Batch, Source, positions_from_mask
-from opd_exp.training.rollout import ModuleRollout, RolloutEngine, encode_prompts, eos_token_ids
-
-# What a turn's prompt may hold: the episode so far is never cut (the budget bounds it)
-_UNCAPPED = 1 << 30
+from opd_exp.training.rollout import RolloutEngine, encode_prompts
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -69,12 +68,12 @@ class EpisodeLog:
 
 
 class EpisodeRollout(RolloutEngine):
-    """Episodes over a ``ModuleRollout``'s decoder, module and sampling (see the module docstring).
+    """Episodes over an engine's ``sample_turns`` (``ModuleRollout``'s decoder, or vLLM; see the module docstring).
     ``rollout_cfg``: ``max_turns``, ``max_new_tokens`` (a turn's cap), ``max_episode_tokens``,
     ``max_prompt_tokens`` (the task's prompt only); where it has no ``max_turns`` (a bare-model
     check), the environment's own. ``log``: where the episodes of each call are recorded."""
 
-    def __init__(self, inner: ModuleRollout, env: Environment, rollout_cfg=None, *, log: EpisodeLog | None = None):
+    def __init__(self, inner: RolloutEngine, env: Environment, rollout_cfg=None, *, log: EpisodeLog | None = None):
         self.inner, self.env, self.log = inner, env, log
         ro = inner.cfg if rollout_cfg is None else rollout_cfg
         self.max_turns = int(getattr(ro, "max_turns", None) or env.max_turns)
@@ -125,15 +124,12 @@ class EpisodeRollout(RolloutEngine):
 
     def generate(self, prompts: Sequence[str], seeds: Sequence[int] | None = None, *, n_samples: int = 1, greedy: bool = False) -> Batch:
         inner, tok = self.inner, self.inner.tokenizer
-        model = inner.model
         ids, mask = encode_prompts(tok, prompts, self.max_prompt_tokens)
         ids, mask = ids.repeat_interleave(n_samples, 0), mask.repeat_interleave(n_samples, 0)
         N = ids.shape[0]
         if seeds is not None and len(seeds) != N:
             raise ValueError(f"seeds has {len(seeds)} seeds for {N} rows")
-        eos = eos_token_ids(tok, model)
-        eos_set = set(eos)
-        pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+        eos_set, pad = set(inner.eos_ids), inner.pad
         prompt_rows = [ids[r][mask[r].bool()].tolist() for r in range(N)]
         tokens: list[list[int]] = [[] for _ in range(N)]
         student: list[list[bool]] = [[] for _ in range(N)]
@@ -145,37 +141,11 @@ class EpisodeRollout(RolloutEngine):
             if not active:
                 break
             caps = [min(self.turn_cap, self.budget - len(tokens[r])) for r in active]
-            width = max(len(prompt_rows[r]) + len(tokens[r]) for r in active)
-            ctx = torch.full((len(active), width), pad, dtype=torch.long)
-            ctx_mask = torch.zeros((len(active), width), dtype=torch.long)
-            for j, r in enumerate(active):
-                row = prompt_rows[r] + tokens[r]
-                if row:
-                    ctx[j, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-                    ctx_mask[j, width - len(row) :] = 1
             row_seeds = None if greedy or seeds is None else [turn_seed(seeds[r], turn) for r in active]
-            synced = {"synced_gpus": True} if inner.synced_gpus and not greedy else {}
-            with inner.autocast():
-                out = inner.decoder(
-                    model,
-                    tok,
-                    None,
-                    n_samples=1,
-                    do_sample=not greedy,
-                    max_new_tokens=max(caps),
-                    max_prompt_tokens=_UNCAPPED,
-                    sampling=inner.sampling,
-                    source=inner.source,
-                    vocab_size=inner.vocab_size,
-                    row_seeds=row_seeds,
-                    encoded=(ctx, ctx_mask),
-                    stop_ids=self.stop_ids,
-                    **synced,
-                )
-            sampled = out.response_ids.tolist()
-            lps = None if out.sampling_logprobs is None else out.sampling_logprobs.tolist()
-            if out.sampling_logprobs is not None:
-                lp_dtype = out.sampling_logprobs.dtype
+            out = inner.sample_turns([prompt_rows[r] + tokens[r] for r in active], caps, row_seeds, greedy=greedy, stop_ids=self.stop_ids)
+            sampled, lps = out.tokens, out.logprobs
+            if lps is not None:
+                lp_dtype = out.dtype
             still = []
             for j, r in enumerate(active):
                 n, why = self._turn_end(sampled[j], caps[j], eos_set)
@@ -236,7 +206,7 @@ class EpisodeRollout(RolloutEngine):
                     lp[r, :n] = torch.tensor(logprobs[r], dtype=lp_dtype)
         lengths = torch.tensor([len(t) for t in tokens])
         response_mask = torch.arange(R)[None, :] < lengths[:, None]
-        device = next(self.inner.model.parameters()).device
+        device = self.inner.device
         full_mask = torch.cat([mask, torch.ones_like(response)], dim=1)
         return Batch(
             input_ids=torch.cat([ids, response], dim=1).to(device),
@@ -275,14 +245,14 @@ class EpisodeSource:
 
 
 def episode_engine(engine: RolloutEngine, env: Environment, rollout_cfg=None, *, log: EpisodeLog | None = None) -> EpisodeRollout:
-    """``engine`` run as episodes against ``env``; only an in-process decoder can be (one line otherwise)."""
+    """``engine`` run as episodes against ``env``; an engine without ``sample_turns`` cannot be (one line)."""
     from opd_exp.runtime.errors import ConfigError
 
     if isinstance(engine, EpisodeRollout):
         engine = engine.inner
-    if not isinstance(engine, ModuleRollout):
+    if type(engine).sample_turns is RolloutEngine.sample_turns:
         raise ConfigError(
-            f"rollout.engine={type(engine).__name__} is not allowed with a task that has an environment (episodes run on an "
-            "in-process decoder); allowed: lean, hf or auto"
+            f"rollout.engine={type(engine).__name__} is not allowed with a task that has an environment (the engine "
+            "cannot sample a turn from an episode's tokens: no sample_turns); allowed: lean, hf, auto or vllm"
         )
     return EpisodeRollout(engine, env, rollout_cfg, log=log)

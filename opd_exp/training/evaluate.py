@@ -184,7 +184,9 @@ class Evaluator:
     @torch.no_grad()
     def __call__(self, engine: RolloutEngine, device) -> dict[str, float]:
         correct, n_tok, sums = [], 0, defaultdict(float)
+        episodes = []  # an episode engine's (training/episodes.py), for its environment's metrics
         for chunk, batch in self._batches(engine):
+            episodes += getattr(engine, "last_episodes", [])
             batch = batch.to(device)
             texts = decode_responses(self.tokenizer, batch)
             correct += [bool(self.task.verify(t, p.answer)) for t, p in zip(texts, chunk)]
@@ -193,6 +195,8 @@ class Evaluator:
             n_tok += batch.num_trained_tokens
         out = {k: v / max(n_tok, 1) for k, v in sums.items()}
         out["eval/accuracy"] = sum(correct) / max(len(self.problems), 1)
+        if episodes:  # the environment's own metrics (tools/* for the calculator) on the greedy episodes
+            out.update({f"eval/{k}": v for k, v in engine.env.metrics(episodes).items()})
         if self.routing is not None:
             out.update(self.routing.accuracies(self.problems, correct))
         if self.samples > 0:
