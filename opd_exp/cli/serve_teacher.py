@@ -7,6 +7,10 @@ flags the served-teacher client needs (prefix caching off), waits until ``/v1/mo
 ``teacher.url=...`` overrides to give opd-train, and stops the server (its whole process group)
 on Ctrl-C or SIGTERM. docs/engines.md has the same flags for a GPU ``vllm serve``.
 
+A teacher with another tokenizer (``teacher.align=bytes``, set by the pair or given here) is served the
+same way: the folder holds the teacher's own tokenizer, the client sends the teacher's own token ids and
+checks the server's tokenizer against it; the printed overrides then carry ``teacher.align=bytes``.
+
 Own keys: ``port`` (required), ``host`` (127.0.0.1), ``python`` (the interpreter that has vLLM;
 default this one), ``device`` (auto | cpu | cuda), ``dtype`` (float32: what the in-process
 teacher computes in, so the start-up self-test compares like with like), ``max_model_len``
@@ -59,6 +63,7 @@ class ServeOptions:
     kv_cache_gib: int = 1
     gpu_memory_utilization: float = 0.1
     extra: list[str] = field(default_factory=list)
+    align: str = "none"  # teacher.align of the composed config (bytes: the teacher's own tokenizer, printed for opd-train)
 
     @property
     def url(self) -> str:
@@ -213,6 +218,7 @@ def options_from_args(argv: list[str]) -> ServeOptions:
         max_logprobs=int(own.get("max_logprobs", k)),
         kv_cache_gib=int(own.get("kv_cache_gib", 1)),
         gpu_memory_utilization=float(own.get("gpu_memory_utilization", 0.1 if device == "cpu" else 0.9)),
+        align=cfg.teacher.align,
     )
 
 
@@ -227,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         with server:
             server.start(float(_split(argv)[0].get("ready_s", 600)))
             # the overrides for opd-train (teacher.k up to the server's --max-logprobs)
-            print(f"teacher=served teacher.url={o.url} teacher.model={o.name}", flush=True)
+            align = " teacher.align=bytes" if o.align == "bytes" else ""
+            print(f"teacher=served teacher.url={o.url} teacher.model={o.name}{align}", flush=True)
             print("opd-serve-teacher: ready; Ctrl-C or SIGTERM stops it", file=sys.stderr, flush=True)
             server.proc.wait()
             print(f"opd-serve-teacher: the server exited with code {server.proc.returncode}", file=sys.stderr, flush=True)

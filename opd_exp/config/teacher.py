@@ -13,7 +13,7 @@ Kinds (``teacher.name``, a registry: ``training.teachers.register_teacher_scorer
 context (the task's worked solution or final answer) and scores the student's response tokens
 under that prompt; the student never sees it.
 
-``teacher.align=bytes`` (in process): a teacher with ANOTHER tokenizer. The student's sampled text is
+``teacher.align=bytes`` (in process or served): a teacher with ANOTHER tokenizer. The student's sampled text is
 rendered for the teacher with the teacher's tokenizer, the teacher scores its own tokens, and the two
 tokenizations are aligned by byte offsets into chunks (``training/teacher_align.py``,
 ``divergences/chunks.py``); the teacher's chunk log-probs go to ``estimator=sampled`` as a sampled-only
@@ -99,7 +99,7 @@ class TeacherConfig:
     self_test: bool = True
     self_test_atol: float = 1e-3
     # none: the teacher scores the student's tokens (one tokenizer) | bytes: the teacher scores its
-    # own tokenization of the student's text, aligned by byte offsets (in_process; module docstring)
+    # own tokenization of the student's text, aligned by byte offsets (in_process or served; module docstring)
     align: str = "none"
     # bytes: where each teacher log-prob is placed among the student's tokens: sequence (the whole
     # teacher log-prob at the row's last token: exact for every pair of tokenizers) | chunk (at each
@@ -217,10 +217,15 @@ def validate_align(cfg) -> None:
     """What ``teacher.align=bytes`` can feed: the sampled-only chunk payload, proven for reverse KL
     with sequence credit (divergences/chunks.py); one line for anything else."""
     te, why = cfg.teacher, "with teacher.align=bytes"
-    if te.name.value != "in_process":
-        _fail("teacher.name", te.name.value, f"in_process {why} (a served, routed or student-made teacher scores the student's tokens)")
+    if te.name.value not in ("in_process", "served"):
+        _fail("teacher.name", te.name.value, f"in_process or served {why} (a student-made teacher has the student's tokenizer)")
     if cfg.teachers.active:
-        _fail("teachers.map", "(set)", f"none {why} (one in-process teacher)")
+        # a map's teachers share the pair's tokenizer (pairs/teacher_map.py) and its routed payloads are merged per row
+        _fail(
+            "teachers.map",
+            "(set)",
+            f"none {why} (one teacher with its own tokenizer, in_process or served; routed teachers share the pair's)",
+        )
     if cfg.estimator.name.value != "sampled":
         _fail(
             "estimator.name",

@@ -6,8 +6,9 @@ Per row: the student's prompt text (its ids decoded) is handed to ``prompt_text`
 default: the student's rendered prompt; a caller with the problems renders the teacher's own chat
 template instead) and tokenized by the teacher; the response's text (the student's tokens up to its
 end of turn) is tokenized by the teacher as a whole (its canonical tokens) and followed by the
-teacher's end of turn where the student's row ended with its own. The teacher scores that sequence
-once; the payload t~ (the teacher's chunk log-probs placed among the student's tokens,
+teacher's end of turn where the student's row ended with its own; a teacher tokenizer that prepends a
+BOS (Gemma, Llama) gets it at the start of the prompt, exactly once. The teacher scores that sequence
+once (in process, or a served teacher: ``teacher=served``, ``training/teacher_served.py``); the payload t~ (the teacher's chunk log-probs placed among the student's tokens,
 ``teacher.align_placement``) goes back as a sampled-only ``TeacherScores`` for ``estimator=sampled``.
 
 Byte offsets: the student's token boundaries come from decoding its prefixes (a token whose decoded
@@ -27,7 +28,7 @@ import torch
 from opd_exp.divergences.chunks import align_chunks, alignment_counts, chunk_teacher_logprobs, spans_from_boundaries
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.batch import Batch
-from opd_exp.training.scoring import TeacherScorer, TeacherScores, teacher_logits, token_logprobs
+from opd_exp.training.scoring import InProcessTeacher, Pending, TeacherScorer, TeacherScores
 
 # end-of-turn tokens of the chat templates in use (ChatML, Gemma, Llama 3, Phi)
 END_OF_TURN = ("<|im_end|>", "<end_of_turn>", "<|eot_id|>", "<|end|>")
@@ -49,6 +50,16 @@ def student_end_ids(tokenizer) -> set[int]:
     ids = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
     eot = end_of_turn_id(tokenizer)
     return ids | ({eot} if eot is not None else set())
+
+
+def bos_prepended(tokenizer) -> int | None:
+    """The BOS id the tokenizer puts before a text with ``add_special_tokens`` (Gemma, Llama), else None."""
+    bos = tokenizer.bos_token_id
+    if bos is None:
+        return None
+    plain = tokenizer("1", add_special_tokens=False)["input_ids"]
+    special = tokenizer("1", add_special_tokens=True)["input_ids"]
+    return int(bos) if special[:1] == [bos] and plain[:1] != [bos] else None
 
 
 def same_tokenizer(a, b) -> bool:
@@ -103,11 +114,15 @@ class ByteAlignedTeacher(TeacherScorer):
         placement: str = "sequence",
         autocast=contextlib.nullcontext,
         prompt_text: Callable[[str], str] | None = None,
+        teacher: TeacherScorer | None = None,
     ):
         self.model, self.student_tok, self.teacher_tok = model, student_tokenizer, teacher_tokenizer
         self.temperature, self.device, self.autocast, self.placement = temperature, torch.device(device), autocast, placement
         self.prompt_text = prompt_text or (lambda text: text)
         self.teacher_vocab = len(teacher_tokenizer)
+        # what scores the teacher's own tokens: the model here, or a served one (its vocabulary is the teacher's)
+        self.scorer = teacher or InProcessTeacher(model, self.teacher_vocab, temperature=temperature, device=device, autocast=autocast)
+        self.teacher_bos = bos_prepended(teacher_tokenizer)
         self.end_ids = student_end_ids(student_tokenizer)
         self.teacher_end = end_of_turn_id(teacher_tokenizer)
         if not self.end_ids or self.teacher_end is None:
@@ -132,7 +147,10 @@ class ByteAlignedTeacher(TeacherScorer):
             prompt = self.student_tok.decode(
                 batch.input_ids[i, :P][pmask].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False
             )
-            prompts.append(self.teacher_tok(self.prompt_text(prompt), add_special_tokens=False)["input_ids"])
+            p_ids = self.teacher_tok(self.prompt_text(prompt), add_special_tokens=False)["input_ids"]
+            if self.teacher_bos is not None and p_ids[:1] != [self.teacher_bos]:  # its BOS, once (a template may write it)
+                p_ids = [self.teacher_bos, *p_ids]
+            prompts.append(p_ids)
             ids = batch.response_ids[i][batch.response_mask[i].bool()].tolist()
             ended = bool(ids) and ids[-1] in self.end_ids
             body = ids[:-1] if ended else ids
@@ -163,15 +181,29 @@ class ByteAlignedTeacher(TeacherScorer):
     @torch.no_grad()
     def teacher_token_logprobs(self, view: Batch) -> torch.Tensor:
         """log T of the teacher's own tokens ``[N, Rt]`` (its logits divided by the divergence temperature)."""
-        where = view.input_ids.device
-        with self.autocast():
-            b = view if where == self.device else view.to(self.device)
-            z = teacher_logits(self.model, b, self.teacher_vocab, temperature=self.temperature)
-        return token_logprobs(z, b.response_ids).to(where)
+        return self.scorer.score(view).token_logprobs(view.response_ids)
 
     def score(self, batch: Batch) -> TeacherScores:
-        view, rows = self.teacher_rows(batch)
-        tlp = self.teacher_token_logprobs(view).double()
+        return self.submit(batch).result()
+
+    def submit(self, batch: Batch) -> Pending:
+        """The teacher's rows now (a served teacher's requests leave at once), the chunk payload when asked;
+        both in the teacher phase (perf/teacher_s)."""
+        with self.clock("teacher"):
+            view, rows = self.teacher_rows(batch)
+            pending = self.scorer.submit(view)
+
+        def result() -> TeacherScores:
+            with self.clock("teacher"):
+                return self._payload(batch, view, rows, pending.result().token_logprobs(view.response_ids))
+
+        out = Pending(result)
+        out.cancel = pending.cancel  # a step that stops early gives up on a server's reply too
+        return out
+
+    @torch.no_grad()
+    def _payload(self, batch: Batch, view: Batch, rows, teacher_lp: torch.Tensor) -> TeacherScores:
+        tlp = teacher_lp.to(view.input_ids.device).double()
         out = torch.zeros(batch.response_ids.shape, dtype=torch.float32, device=batch.input_ids.device)
         for i, (n, chunks) in enumerate(rows):
             if n == 0:
@@ -184,6 +216,17 @@ class ByteAlignedTeacher(TeacherScorer):
             self._counts = [self._counts[0] + c, self._counts[1] + s, self._counts[2] + o, self._counts[3] + 1]
         return TeacherScores(sampled_logprobs=out)
 
+    # a served scorer's identity, self-test flag and connections are this scorer's
+    def identity(self) -> dict:
+        return self.scorer.identity()
+
+    @property
+    def self_tested(self) -> bool:
+        return getattr(self.scorer, "self_tested", True)
+
+    def close(self) -> None:
+        self.scorer.close()
+
     def metrics(self) -> dict[str, float]:
         chunks, tokens, one, _rows = self._counts
         self._counts = [0, 0, 0, 0]
@@ -192,9 +235,10 @@ class ByteAlignedTeacher(TeacherScorer):
         return {"align/chunk_tokens_mean": tokens / chunks, "align/one_to_one_rate": one / chunks}
 
 
-def build_byte_aligned(ctx) -> ByteAlignedTeacher:
-    """``teacher.align=bytes`` on the in-process teacher: its tokenizer is ``ctx.teacher_tokenizer``
-    (the pair's own where the pair has one), else the pair's shared one (the same-tokenizer check)."""
+def build_byte_aligned(ctx, teacher: TeacherScorer | None = None) -> ByteAlignedTeacher:
+    """``teacher.align=bytes``: its tokenizer is ``ctx.teacher_tokenizer`` (the pair's own where the pair
+    has one), else the pair's shared one (the same-tokenizer check); ``teacher`` scores the teacher's own
+    tokens (None: ``ctx.model`` in process; a served one: ``teacher_served.build_served_byte_aligned``)."""
     cfg, te = ctx.cfg, ctx.cfg.teacher
     teacher_tok = getattr(ctx, "teacher_tokenizer", None) or ctx.tokenizer
     same = same_tokenizer(ctx.tokenizer, teacher_tok)
@@ -217,4 +261,5 @@ def build_byte_aligned(ctx) -> ByteAlignedTeacher:
         device=ctx.device,
         placement=te.align_placement,
         autocast=ctx.autocast,
+        teacher=teacher,
     )

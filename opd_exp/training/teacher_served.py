@@ -22,6 +22,11 @@ vLLM #42245), and, with the pair's in-process teacher, compares them. Each probl
 naming the server, the model, what is wrong and what is allowed. A server lost mid-run raises
 ``TeacherUnavailable`` after the retries: the trainer stops at the step boundary with a checkpoint
 (never a step on partial scores).
+
+A teacher with another tokenizer (``teacher.align=bytes``, ``build_served_byte_aligned``): the client
+renders the student's text with the teacher's tokenizer and aligns by bytes as in process
+(``training/teacher_align.py``); the server scores the teacher's own ids (the top-1 asked, only the
+actual token's log-prob used), and its tokenizer must be the teacher's own (the probe above).
 """
 
 from __future__ import annotations
@@ -117,8 +122,9 @@ def _error_message(body: bytes) -> str:
 class ServedTeacher(TeacherScorer):
     """``teacher=served``: sparse ``TeacherScores`` from a vLLM server's ``prompt_logprobs``."""
 
-    def __init__(self, te, k: int, vocab_size: int, *, tokenizer=None):
+    def __init__(self, te, k: int, vocab_size: int, *, tokenizer=None, whose: str = "the pair's tokenizer"):
         self.te, self.k, self.vocab_size, self.tokenizer = te, int(k), int(vocab_size), tokenizer
+        self.whose = whose  # whose tokenizer the server must have (named in the refusal)
         # base: where requests go and what lines show (never the credentials, sent as a header)
         self.base, self.shown_url, self._auth = split_url("teacher.url", te.url)
         self.full_distribution = self.k >= self.vocab_size
@@ -317,9 +323,9 @@ class ServedTeacher(TeacherScorer):
             local = list(self.tokenizer(PROBE, add_special_tokens=False)["input_ids"])
             if tokens != local:
                 raise ConfigError(
-                    f"{self._where()}: the server tokenizes a probe string into {len(tokens)} ids, the pair's tokenizer into "
+                    f"{self._where()}: the server tokenizes a probe string into {len(tokens)} ids, {self.whose} into "
                     f"{len(local)} (first difference at id {next((i for i, (a, b) in enumerate(zip(tokens, local)) if a != b), min(len(tokens), len(local)))}): "
-                    "another tokenizer; allowed: a server for this pair's teacher (same tokenizer)"
+                    f"another tokenizer; allowed: a server for this pair's teacher (same tokenizer as {self.whose})"
                 )
         return _tokens_hash(tokens)
 
@@ -602,15 +608,21 @@ def _max_gap(a: TeacherScores, b: TeacherScores, batch: Batch) -> float:
     return float(torch.cat(gaps).max()) if m.any() else 0.0
 
 
-def build_served_teacher(cfg, vocab_size: int, tokenizer, reference: InProcessTeacher | None, warn=print) -> ServedTeacher:
-    """``teacher=served`` from a TrainConfig: connected, checked and self-tested, or one line."""
+def build_served_teacher(
+    cfg, vocab_size: int, tokenizer, reference: InProcessTeacher | None, warn=print, *, k: int | None = None, own_tokenizer: bool = False
+) -> ServedTeacher:
+    """``teacher=served`` from a TrainConfig: connected, checked and self-tested, or one line
+    (``own_tokenizer``: the teacher's own tokenizer and vocabulary, ``teacher.align=bytes``)."""
     te = cfg.teacher
-    k = te.k if te.k is not None else cfg.estimator.k
-    teacher = ServedTeacher(te, k, vocab_size, tokenizer=tokenizer)
+    k = k if k is not None else te.k if te.k is not None else cfg.estimator.k
+    whose = "the teacher's own tokenizer (model_pair.teacher's, teacher.align=bytes)" if own_tokenizer else "the pair's tokenizer"
+    teacher = ServedTeacher(te, k, vocab_size, tokenizer=tokenizer, whose=whose)
+    # the student's token budget says nothing of the teacher's own tokens: a too-long one is refused per request
+    longest = None if own_tokenizer else cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
     try:
         if urllib.parse.urlsplit(te.url).path.rstrip("/").endswith("/v1"):
             warn(f"opd-train: teacher.url={teacher.shown_url} ends in /v1, which the client adds itself: using {teacher.base}")
-        teacher.connect(max_sequence_tokens=cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens)
+        teacher.connect(max_sequence_tokens=longest)
         if te.self_test:
             gaps = teacher.self_test(reference)
             teacher.self_tested = reference is not None
@@ -625,3 +637,29 @@ def build_served_teacher(cfg, vocab_size: int, tokenizer, reference: InProcessTe
         teacher.close()
         raise
     return teacher
+
+
+def build_served_byte_aligned(ctx):
+    """``teacher=served teacher.align=bytes``: the byte-aligned scorer (``training/teacher_align.py``) whose
+    teacher's own tokens are scored by the server (top-1 asked: only the actual token's log-prob is used),
+    connected, its tokenizer checked against the teacher's own and self-tested against the pair's
+    teacher in this process over the teacher's vocabulary."""
+    from opd_exp.training.teacher_align import build_byte_aligned
+
+    vocab = getattr(ctx.cfg.teacher, "align_vocab", "none")
+    if vocab != "none":  # the shared-vocabulary path needs the teacher's whole next-token distributions
+        raise ConfigError(
+            f"teacher.align_vocab={vocab!r} is not allowed with teacher=served (a server sends the teacher's own tokens' "
+            "log-probs, not its whole distributions); allowed: none (the chunk payload), or teacher=in_process"
+        )
+    t_tok = ctx.teacher_tokenizer or ctx.tokenizer
+    V = len(t_tok)
+    local = None
+    if ctx.model is not None:
+        local = InProcessTeacher(ctx.model, V, temperature=ctx.cfg.divergence.temperature, device=ctx.device, autocast=ctx.autocast)
+    served = build_served_teacher(ctx.cfg, V, t_tok, local, warn=ctx.warn, k=1, own_tokenizer=True)
+    try:
+        return build_byte_aligned(ctx, teacher=served)
+    except BaseException:
+        served.close()
+        raise

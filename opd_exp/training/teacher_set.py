@@ -108,7 +108,7 @@ class TeacherSet:
         teachers each one on its own prompts (``eval/teacher/<name>/teacher_accuracy``), and the
         global one over all prompts, each answered by its teacher."""
         if not self.active or len(self.models) == 1:
-            acc = evaluator.accuracy(engine)
+            acc = self._own_tokenizer_accuracy(evaluator) if self._own_tokenizer() else evaluator.accuracy(engine)
             return {"eval/teacher_accuracy": acc, **{f"eval/teacher/{n}/teacher_accuracy": acc for n in self.names}}
         groups: dict[int, list] = {}
         for p in evaluator.problems:
@@ -119,6 +119,33 @@ class TeacherSet:
             out[f"eval/teacher/{self.names[k]}/teacher_accuracy"] = acc
             correct += round(acc * len(problems))
         return {"eval/teacher_accuracy": correct / max(len(evaluator.problems), 1), **out}
+
+    def _own_tokenizer(self) -> bool:
+        """The pair's teacher has a tokenizer of its own, not the student's (teacher.align=bytes)."""
+        from opd_exp.training.teacher_align import same_tokenizer
+
+        return self.teacher_tokenizer is not None and not same_tokenizer(self._engine_args[0], self.teacher_tokenizer)
+
+    def _own_tokenizer_accuracy(self, evaluator) -> float:
+        """The teacher's greedy accuracy on the eval problems asked its own way: the task's prompt rendered
+        with the teacher's tokenizer and chat template (its BOS first where its tokenizer prepends one),
+        generated and decoded in the teacher's ids."""
+        from opd_exp.tasks.environment import build_environment
+        from opd_exp.training.engines import in_process_engine
+        from opd_exp.training.evaluate import greedy_batches
+        from opd_exp.training.rollout import decode_responses
+
+        tok, autocast = self.teacher_tokenizer, self._engine_args[2]
+        engine = in_process_engine(self.cfg, self.models[0], tok, len(tok), source="teacher", autocast=autocast)
+        env = build_environment(self.cfg.task)
+        if env is not None:
+            from opd_exp.training.episodes import episode_engine
+
+            engine = episode_engine(engine, env, self.cfg.rollout)
+        task, correct = evaluator.task, 0
+        for chunk, batch in greedy_batches(engine, tok, OwnPrompts(task), evaluator.problems, evaluator.batch_size):
+            correct += sum(bool(task.verify(t, p.answer)) for t, p in zip(decode_responses(tok, batch), chunk))
+        return correct / max(len(evaluator.problems), 1)
 
     def _engine(self, k: int):
         if k not in self._engines:
@@ -145,3 +172,20 @@ class TeacherSet:
                 if getattr(self.scorers[i], "self_tested", True) is False:
                     teachers[name]["server"]["self_tested"] = False
         return {**record, "teachers": {"route": self.cfg.teachers.route, **teachers}}, values
+
+
+class OwnPrompts:
+    """A task's prompts as a teacher with its own tokenizer is asked them: rendered as the task renders
+    them for that tokenizer, with its BOS text first where the tokenizer prepends one and the text lacks
+    it (prompts are encoded without special tokens: the BOS comes from the text, once)."""
+
+    def __init__(self, task):
+        self.task = task
+
+    def render_prompt(self, problem, tokenizer) -> str:
+        from opd_exp.training.teacher_align import bos_prepended
+
+        text = self.task.render_prompt(problem, tokenizer)
+        if bos_prepended(tokenizer) is not None and not text.startswith(tokenizer.bos_token):
+            text = tokenizer.bos_token + text
+        return text

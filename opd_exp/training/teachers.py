@@ -81,6 +81,10 @@ def _in_process(ctx: ScorerContext) -> TeacherScorer:
 @register_teacher_scorer("served")
 def _served(ctx: ScorerContext) -> TeacherScorer:
     """Connected, checked and self-tested against the in-process teacher before training."""
+    if ctx.cfg.teacher.align == "bytes":  # the teacher's own tokens, scored by the server, aligned here
+        from opd_exp.training.teacher_served import build_served_byte_aligned
+
+        return build_served_byte_aligned(ctx)
     cfg, V = ctx.cfg, ctx.vocab_size
     local = ctx.in_process() if ctx.model is not None else None
     k = sparse_teacher_k(cfg, V)

@@ -1,0 +1,287 @@
+"""A teacher with another tokenizer (``teacher.align=bytes``) served by ``opd-serve-teacher``, and what the
+byte-aligned path got wrong before:
+
+- served (a stand-in server here; marked ``vllm``: a real ``opd-serve-teacher`` vLLM process) gives the
+  in-process ``teacher.align=bytes`` losses to 1e-6 relative on a tiny cross-tokenizer pair; a server
+  with another tokenizer than the teacher's own is refused in one line; routed teachers are refused;
+- ``eval/teacher_accuracy`` asks the teacher in its own tokens and chat template (it was given the
+  student's ids);
+- ``perf/teacher_s`` counts the byte-aligned teacher (it was 0);
+- a teacher tokenizer that prepends a BOS (Gemma, Llama) has it at the start of the teacher's prompt,
+  exactly once (it had none)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers.fake_vllm import FakeVllm
+from helpers.tiny import CHARS, AddTask, build_model, small_config
+from opd_exp.config.schema import TeacherConfig
+from opd_exp.runtime.errors import ConfigError
+from opd_exp.training.trainer import Trainer
+
+GROUPS = dict(
+    estimator=dict(name="sampled", baseline="none"),
+    divergence=dict(name="rkl"),
+    loss=dict(name="reinforce", credit="sequence", gamma=1.0),
+    trainer=dict(max_steps=3),
+    rollout=dict(max_new_tokens=6, max_prompt_tokens=8),
+)
+MERGES = [("1", "2"), ("3", "4"), ("5", "6"), ("7", "8"), ("9", "0"), ("1", "0"), ("+", "1")]
+
+
+def teacher_tokenizer(folder, *, bos: bool = False):
+    """Another tokenizer than the tiny student's: BPE over the same characters in another id order, with
+    merges, a ChatML-like end of turn and chat template; ``bos``: a ``<s>`` its tokenizer prepends (as
+    Gemma's and Llama's do) and its template writes."""
+    from tokenizers import Tokenizer, models, processors
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    pieces = [*reversed(CHARS), *("".join(m) for m in MERGES)]
+    specials = ["<|im_end|>", "<pad>", *(["<s>"] if bos else [])]
+    vocab = {**{s: i for i, s in enumerate(specials)}, **{p: i + len(specials) for i, p in enumerate(pieces)}}
+    tok = Tokenizer(models.BPE(vocab, MERGES))
+    extra = {}
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])])
+        extra["bos_token"] = "<s>"
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<|im_end|>", **extra)
+    fast.chat_template = ("{{ bos_token }}" if bos else "") + "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}"
+    fast.save_pretrained(folder)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+@pytest.fixture(scope="module")
+def cross(tmp_path_factory):
+    """The tiny student's folder and a teacher folder with its own tokenizer, exactly as many output rows
+    as tokens (a server normalises over every row), and a head size a CPU vLLM supports."""
+    from transformers import AutoTokenizer
+
+    from helpers.tiny import build_tokenizer
+
+    root = tmp_path_factory.mktemp("cross")
+    s_tok = build_tokenizer(root / "student")
+    build_model(root / "student", len(s_tok), hidden=32, layers=1, seed=1)
+    t_tok = teacher_tokenizer(root / "teacher")
+    build_model(root / "teacher", len(t_tok), hidden=64, layers=2, seed=5)
+    return SimpleNamespace(
+        root=root, student=root / "student", teacher=root / "teacher", s_tok=s_tok, t_tok=AutoTokenizer.from_pretrained(root / "teacher")
+    )
+
+
+def load_pair(cross):
+    from transformers import AutoModelForCausalLM
+
+    return SimpleNamespace(
+        student=AutoModelForCausalLM.from_pretrained(cross.student),
+        teacher=AutoModelForCausalLM.from_pretrained(cross.teacher),
+        tokenizer=cross.s_tok,
+        vocab_size=len(cross.s_tok),
+        teacher_tokenizer=cross.t_tok,
+    )
+
+
+def metric_rows(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def run(run_dir, pair, task=None, **teacher):
+    Trainer(small_config(**{**GROUPS, "teacher": {"align": "bytes", **teacher}}), run_dir, pair=pair, task=task or AddTask()).run()
+    return metric_rows(run_dir)
+
+
+def steps(rows):
+    return [r for r in rows if "loss" in r]
+
+
+def served(url: str, **fields) -> dict:
+    return dict(name="served", url=url, retries=0, backoff_s=0.0, timeout_s=30.0, **fields)
+
+
+KEYS = ("loss", "kl/reverse", "advantages/mean", "student/logprob_mean", "teacher/logprob_mean", "align/chunk_tokens_mean")
+
+
+def assert_same_losses(a, b, rel):
+    assert len(a) == len(b) == GROUPS["trainer"]["max_steps"]
+    for ra, rb in zip(a, b):
+        for key in KEYS:
+            assert rb[key] == pytest.approx(ra[key], rel=rel, abs=1e-9), key
+
+
+# -- served: the same losses as in process --------------------------------------------------------
+
+
+def test_served_cross_tokenizer_teacher_gives_the_in_process_losses(cross, tmp_path):
+    """The stand-in server scores the teacher's own ids with the teacher (its tokenizer the teacher's):
+    per-step losses equal the in-process align=bytes run's to 1e-6 relative; the run records the server."""
+    local = steps(run(tmp_path / "local", load_pair(cross)))
+    pair = load_pair(cross)
+    server = FakeVllm(pair.teacher, cross.t_tok, len(cross.t_tok))
+    try:
+        rows = run(tmp_path / "served", pair, **served(server.url))
+    finally:
+        server.stop()
+    assert_same_losses(local, steps(rows), rel=1e-6)
+    assert server.completions > 3  # the self-test's, then the steps' requests
+    state = json.loads(next((tmp_path / "served").glob("checkpoints/step_*/state.json")).read_text())
+    assert state["config"]["teacher.server.k"] == 1  # the actual token's log-prob is all it needs
+
+
+def test_a_server_with_another_tokenizer_than_the_teachers_is_one_line(cross, tmp_path):
+    pair = load_pair(cross)
+    server = FakeVllm(pair.teacher, cross.s_tok, len(cross.t_tok))  # the student's tokenizer behind the teacher's name
+    try:
+        with pytest.raises(ConfigError) as err:
+            Trainer(small_config(**{**GROUPS, "teacher": {"align": "bytes", **served(server.url)}}), tmp_path, pair=pair, task=AddTask())
+    finally:
+        server.stop()
+    line = str(err.value)
+    assert "\n" not in line and line.startswith(f"teacher.url={server.url} (model 'teacher'): the server tokenizes a probe string")
+    assert "the teacher's own tokenizer (model_pair.teacher's, teacher.align=bytes)" in line and "another tokenizer; allowed:" in line
+    assert server.completions == 0
+
+
+def test_routed_teachers_with_another_tokenizer_are_refused():
+    from opd_exp.config.teachers import TeachersConfig, TeacherSource
+
+    cfg = small_config(**GROUPS)
+    teachers = TeachersConfig(
+        map={"a": TeacherSource(path="/models/a"), "b": TeacherSource(path="/models/b", covers=["+"])}, route="operator"
+    )
+    with pytest.raises(ConfigError) as err:
+        from opd_exp.config.teacher import validate_teacher
+
+        validate_teacher(dataclasses.replace(cfg, teacher=TeacherConfig(align="bytes"), teachers=teachers))
+    assert str(err.value).startswith(
+        "teachers.map='(set)' is not allowed; allowed: none with teacher.align=bytes (one teacher with its own"
+    )
+
+
+# -- the bugs -------------------------------------------------------------------------------------
+
+
+class OwnAnswers(AddTask):
+    """AddTask whose prompts go through the chat template (where a tokenizer has one) and whose answers
+    are given: the teacher's own greedy completions, so a teacher asked in its own tokens scores 1."""
+
+    def __init__(self, answers: dict[str, str]):
+        super().__init__()
+        self.answers = answers
+        self._eval = [dataclasses.replace(p, answer=answers.get(p.prompt, p.answer)) for p in self._eval]
+
+    def render_prompt(self, problem, tokenizer):
+        from opd_exp.tasks.base import render_prompt
+
+        return render_prompt(problem.prompt, tokenizer)
+
+    def extract_answer(self, completion: str) -> str:
+        return completion.strip()
+
+
+def test_eval_teacher_accuracy_asks_the_teacher_in_its_own_tokens(cross, tmp_path):
+    """Before: the teacher was given the student's ids (and decoded with the student's tokenizer)."""
+    from opd_exp.training.evaluate import evaluate_accuracy
+
+    pair = load_pair(cross)
+    problems = AddTask().eval_problems()[:4]
+    want = evaluate_accuracy(pair.teacher, cross.t_tok, OwnAnswers({}), problems, max_new_tokens=6, return_completions=True)
+    answers = {p.prompt: c.strip() for p, c in zip(problems, want["completions"])}
+    assert len(set(answers.values())) > 1  # the teacher says different things: an accuracy of 1 means something
+    rows = run(tmp_path, pair, task=OwnAnswers(answers))
+    accs = [r["eval/teacher_accuracy"] for r in rows if "eval/teacher_accuracy" in r]
+    assert accs and all(a == 1.0 for a in accs)
+
+
+def test_perf_teacher_s_counts_the_byte_aligned_teacher(cross, tmp_path):
+    rows = steps(run(tmp_path, load_pair(cross)))
+    assert rows and all(r["perf/teacher_s"] > 0 and r["perf/teacher_tokens_per_s"] > 0 for r in rows)
+    assert all(r["perf/train_s"] > 0 for r in rows)
+
+
+def test_a_teacher_tokenizer_that_prepends_a_bos_gets_it_once(cross, tmp_path):
+    """Gemma/Llama-like: ``<s>`` first in the teacher's prompt, once, whether the prompt text has it or not;
+    the payload is the teacher's log-prob of its canonical tokens after ``<s>`` + prompt."""
+    from opd_exp.training.batch import Batch
+    from opd_exp.training.rollout import encode_prompts
+    from opd_exp.training.teacher_align import ByteAlignedTeacher, bos_prepended
+
+    t_tok = teacher_tokenizer(tmp_path / "bos", bos=True)
+    bos = t_tok.convert_tokens_to_ids("<s>")
+    assert bos_prepended(t_tok) == bos and bos_prepended(cross.t_tok) is None and bos_prepended(cross.s_tok) is None
+    model = build_model(tmp_path / "bos_teacher", len(t_tok), hidden=32, layers=2, seed=7)
+    s_tok = cross.s_tok
+    prompts, texts = ["3+4=", "12+1="], ["7", "13"]
+    ids, mask = encode_prompts(s_tok, prompts, 8)
+    eos = s_tok.eos_token_id
+    rows = [s_tok(t, add_special_tokens=False)["input_ids"] + [eos] for t in texts]
+    resp = torch.full((2, max(map(len, rows))), s_tok.pad_token_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        resp[i, : len(r)] = torch.tensor(r)
+    batch = Batch.from_responses(ids, mask, resp, [eos], lengths=torch.tensor([len(r) for r in rows]))
+    for prompt_text in (None, lambda text: "<s>" + text):  # a template that writes the BOS itself
+        scorer = ByteAlignedTeacher(model, s_tok, t_tok, temperature=1.0, device="cpu", prompt_text=prompt_text)
+        view, _ = scorer.teacher_rows(batch)
+        P = view.prompt_len
+        for i, prompt in enumerate(prompts):
+            got = view.input_ids[i, :P][view.attention_mask[i, :P].bool()].tolist()
+            assert got == [bos, *t_tok(prompt, add_special_tokens=False)["input_ids"]]
+        t = scorer.score(batch).sampled_logprobs
+        for i, (prompt, text) in enumerate(zip(prompts, texts)):
+            p = t_tok(prompt, add_special_tokens=True)["input_ids"]  # <s> + prompt
+            r = t_tok(text, add_special_tokens=False)["input_ids"] + [t_tok.convert_tokens_to_ids("<|im_end|>")]
+            with torch.no_grad():
+                z = model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1, : len(t_tok)].float()
+            want = float(z.log_softmax(-1).gather(-1, torch.tensor(r)[:, None]).sum())
+            assert float(t[i].double().sum()) == pytest.approx(want, rel=1e-5, abs=1e-5)
+
+
+# -- a real opd-serve-teacher (vLLM's CPU build) ---------------------------------------------------
+
+
+# what teacher.align=bytes trains (the server composes opd-train's config, so it must be one that validates)
+RECIPE = ["estimator=sampled", "estimator.baseline=none", "divergence=rkl", "loss=reinforce", "loss.credit=sequence"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.vllm
+@pytest.mark.slow
+def test_opd_serve_teacher_serves_a_cross_tokenizer_teacher(cross, tmp_path):
+    """``opd-serve-teacher model_pair=local ... teacher.align=bytes`` (a vLLM process, CPU, fp32) on the tiny
+    cross-tokenizer pair: per-step losses equal the in-process align=bytes run's to 1e-6 relative."""
+    from opd_exp.cli.serve_teacher import TeacherServer, options_from_args
+
+    argv = [
+        "model_pair=local",
+        f"model_pair.student={cross.student}",
+        f"model_pair.teacher={cross.teacher}",
+        *RECIPE,
+        "teacher.align=bytes",
+    ]
+    options = options_from_args([*argv, f"port={free_port()}", "max_model_len=128", "kv_cache_gib=1"])
+    assert options.align == "bytes" and options.folder == str(cross.teacher.resolve())
+    local = steps(run(tmp_path / "local", load_pair(cross)))
+    with TeacherServer(options).start(ready_s=float(os.environ.get("OPD_VLLM_READY_S", "600"))) as server:
+        rows = steps(run(tmp_path / "served", load_pair(cross), **served(server.o.url)))
+    print("in process", [r["loss"] for r in local], "served", [r["loss"] for r in rows])
+    assert_same_losses(local, rows, rel=1e-6)
+    assert server.proc.poll() is not None
+
+
+def test_opd_serve_teacher_prints_the_align_override(cross):
+    from opd_exp.cli.serve_teacher import options_from_args
+
+    argv = ["model_pair=local", f"model_pair.student={cross.student}", f"model_pair.teacher={cross.teacher}", "port=8001"]
+    assert options_from_args(argv).align == "none"
+    assert options_from_args([*argv, *RECIPE, "teacher.align=bytes"]).align == "bytes"
