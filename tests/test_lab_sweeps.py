@@ -31,6 +31,7 @@ CLAIMS = {  # every lab sweep answers one claim in docs/lab.md
     "lab_fixed_negative",
     "lab_staleness",
     "lab_self_distill",
+    "lab_tool_masks",
 }
 
 

@@ -1,0 +1,77 @@
+"""lab_tool_masks's table (docs/lab.md): per arm, the final eval on the tool world's greedy episodes
+and what the student writes in its own turns, mean ± 95% CI over seeds (Student's t).
+
+    python benchmarks/lab_tool_masks.py multirun/lab_tool_masks/embedded_tool [more sweep folders ...]
+
+Columns: ``eval/accuracy`` (final), ``eval/tools/result_used_rate`` (of the episodes the calculator
+answered with a number, the share whose answer is its result), ``eval/tools/self_result_rate`` (the
+share of episodes whose own turns write ``<result>``: the tool's text, which only the calculator
+should write), and ``tools/self_result_rate`` over the training episodes (the mean of the run's
+last quarter of steps, temperature 1). Runs of several folders (the sweep, fresh seeds) are pooled
+by arm.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from opd_exp.analysis import AnalysisError, load_runs
+from opd_exp.analysis import format_ci95 as ci95
+
+EVAL = ("eval/accuracy", "eval/tools/result_used_rate", "eval/tools/self_result_rate")
+TRAIN = "tools/self_result_rate"
+ALLOWED = "allowed: folders of `opd-train -m sweep=lab_tool_masks` (multirun/lab_tool_masks/embedded_tool)"
+
+
+def fail(line: str) -> None:
+    """One line on stderr, exit code 2 (a missing or empty folder, another world's runs)."""
+    print(f"lab_tool_masks: {line}", file=sys.stderr)
+    sys.exit(2)
+
+
+def arms(folders) -> dict[str, dict[int, object]]:
+    """{arm: {seed: run}} over every finished run of the folders; a folder that holds none, or a
+    run without the tool metrics (another world's, or another sweep's), is refused."""
+    out: dict[str, dict[int, object]] = {}
+    for folder in folders:
+        try:
+            runs = load_runs(folder)
+        except AnalysisError as exc:  # no such folder, not a folder, no metrics.jsonl under it
+            fail(f"{exc}; {ALLOWED}")
+        finished = [r for r in runs if r.finished]
+        if not finished:
+            fail(f"{folder}: no finished run ({len(runs)} still running or stopped); {ALLOWED}")
+        for r in finished:
+            missing = [m for m in (*EVAL, TRAIN) if r.final(m) is None]
+            if missing:
+                world = ", ".join(f"{k}={r.choices[k]}" for k in ("sweep", "model_pair") if k in r.choices) or "no sweep recorded"
+                fail(f"{r.path}: logs no {missing[0]} ({world}): not a run of the tool world; {ALLOWED}")
+            out.setdefault(r.overrides.get("variant", r.variant), {})[r.seed] = r
+    return out
+
+
+def late_mean(run, metric: str) -> float:
+    """The mean of ``metric`` over the run's last quarter of logged steps (at least one)."""
+    values = [v for _, v in run.get(metric)]
+    tail = values[len(values) - max(1, len(values) // 4) :]
+    return sum(tail) / len(tail)
+
+
+def main(folders) -> None:
+    by_arm = arms(folders)
+    step = max(r.last_step() for runs in by_arm.values() for r in runs.values())
+    print(f"final eval (step {step}; greedy episodes), mean ± 95% CI over seeds\n")
+    head = ["arm", "seeds", *EVAL, "train tools/self_result_rate (last quarter)"]
+    print("| " + " | ".join(head) + " |\n|" + "---|" * len(head))
+    for arm, runs in by_arm.items():
+        rs = [runs[s] for s in sorted(runs)]
+        cells = [arm, ",".join(map(str, sorted(runs)))]
+        cells += [ci95(r.final(m) for r in rs) for m in EVAL]
+        cells.append(ci95(late_mean(r, TRAIN) for r in rs))
+        print("| " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) < 2:
+        fail(f"no folder given; usage: {__doc__.strip().splitlines()[3].strip()}")
+    main(sys.argv[1:])
