@@ -14,6 +14,10 @@ perfect overlap could reach with one core for the producer and one for the learn
 max(generate, teacher + train + sync) of the synchronous run, the learner's phases being serial.
 Every row must report the staleness it was asked for (`async/staleness` = min(step - 1, k)) or the
 benchmark stops: it measures asynchronous runs, not the loop under another name.
+
+``--sync-threads 2`` adds a row: the synchronous loop with two torch threads per op
+(``scale.num_threads=2``), the fair rival where a model is large enough for one step to use both
+cores (the asynchronous rows give each process one).
 """
 
 from __future__ import annotations
@@ -32,16 +36,16 @@ from pathlib import Path
 PHASES = ("generate", "teacher", "train", "sync", "wait")
 
 
-def run_one(k: int, steps: int, folder: Path, extra: list[str]) -> tuple[list[dict], float, float]:
-    """One opd-train process: (metric rows, wall s, CPU s of the child)."""
+def run_one(k: int, steps: int, folder: Path, extra: list[str], threads: int = 1) -> tuple[list[dict], float, float]:
+    """One opd-train process at ``threads`` torch threads: (metric rows, wall s, CPU s of the child)."""
     cmd = [
         sys.executable, "-m", "opd_exp.cli.train", "logger=none", f"trainer.max_steps={steps}", "eval.every=0",
         "eval.size=8", "checkpoint.every=0", "trainer.progress=false", f"rollout.staleness={k}",
-        *(["rollout.correction=recompute"] if k else []), *extra, f"hydra.run.dir={folder}",
+        *(["rollout.correction=recompute"] if k else []), f"scale.num_threads={threads}", *extra, f"hydra.run.dir={folder}",
     ]  # fmt: skip
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.DEVNULL)
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)}, stdout=subprocess.DEVNULL)
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
@@ -78,37 +82,41 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--sync-threads", type=int, nargs="*", default=[], help="extra synchronous rows at these torch threads")
     ap.add_argument("--json", help="also write the summary here")
     ap.add_argument("extra", nargs="*", help="opd-train overrides for every row (e.g. model_pair=smollm2)")
     a = ap.parse_args(argv)
     if a.steps <= a.warmup:
         sys.exit(f"staleness_step: --steps={a.steps} is not allowed; allowed: more than --warmup={a.warmup}")
-    runs: dict[int, list] = {k: [] for k in a.staleness}
+    rows_wanted = [(k, 1) for k in a.staleness] + [(0, t) for t in a.sync_threads if t != 1]
+    runs: dict[tuple[int, int], list] = {key: [] for key in rows_wanted}
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(a.repeats):  # interleaved: each repetition runs every row once
-            for k in a.staleness:
-                rows, wall, cpu = run_one(k, a.steps, Path(tmp) / f"k{k}_r{rep}", a.extra)
+            for k, t in rows_wanted:
+                rows, wall, cpu = run_one(k, a.steps, Path(tmp) / f"k{k}_t{t}_r{rep}", a.extra, threads=t)
                 check_staleness(rows, k)
-                runs[k].append((rows, wall, cpu))
-    table = {k: summarise(v, a.warmup, a.steps) for k, v in runs.items()}
-    base = table[a.staleness[0]]
+                runs[(k, t)].append((rows, wall, cpu))
+    table = {key: summarise(v, a.warmup, a.steps) for key, v in runs.items()}
+    base = table[rows_wanted[0]]
     floor = max(base["generate"], base["teacher"] + base["train"] + base["sync"])
     print(f"load average at the end: {os.getloadavg()[0]:.2f}; {a.repeats} repetitions x {a.steps} steps, warm-up {a.warmup}")
-    print("| rollout.staleness | wall s/step median [range] | steps/s | x sync | CPU s/step | learner wait s | loss (last) |")
-    print("|---|---|---|---|---|---|---|")
-    for k, t in table.items():
+    print(
+        "| rollout.staleness | threads | wall s/step median [range] | steps/s | x first row | CPU s/step | learner wait s | loss (last) |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for (k, threads), t in table.items():
         lo, hi = t["wall_step_s_range"]
         print(
-            f"| {k} | {t['wall_step_s']:.3f} [{lo:.3f}, {hi:.3f}] | {1 / t['wall_step_s']:.2f} | "
+            f"| {k} | {threads} | {t['wall_step_s']:.3f} [{lo:.3f}, {hi:.3f}] | {1 / t['wall_step_s']:.2f} | "
             f"{base['wall_step_s'] / t['wall_step_s']:.2f} | {t['cpu_step_s']:.3f} | {t['learner_wait_s']:.3f} | {t['loss_last']:.4g} |"
         )
     print(
-        f"synchronous phases (s/step): generate {base['generate']:.3f}, teacher {base['teacher']:.3f}, train "
+        f"synchronous phases (s/step, first row): generate {base['generate']:.3f}, teacher {base['teacher']:.3f}, train "
         f"{base['train']:.3f}, sync {base['sync']:.3f}; overlap floor max(generate, teacher + train + sync) = {floor:.3f} "
         f"({base['wall_step_s'] / floor:.2f}x the synchronous step at best)"
     )
     if a.json:
-        Path(a.json).write_text(json.dumps({"table": {str(k): v for k, v in table.items()}, "floor_s": floor}, indent=1))
+        Path(a.json).write_text(json.dumps({"table": {f"{k}@{t}": v for (k, t), v in table.items()}, "floor_s": floor}, indent=1))
     return 0
 
 

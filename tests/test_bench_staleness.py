@@ -36,12 +36,12 @@ def test_the_table_has_a_row_per_staleness(bench, tmp_path, capsys, monkeypatch)
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     out = tmp_path / "summary.json"
-    args = ["--repeats", "1", "--steps", "3", "--warmup", "1", "--staleness", "0", "1", "--json", str(out)]
+    args = ["--repeats", "1", "--steps", "3", "--warmup", "1", "--staleness", "0", "1", "--sync-threads", "2", "--json", str(out)]
     assert bench.main([*args, "trainer.batch_size=8", "rollout.max_new_tokens=8"]) == 0
     table = json.loads(out.read_text())["table"]
-    assert sorted(table) == ["0", "1"]
+    assert sorted(table) == ["0@1", "0@2", "1@1"]  # staleness @ torch threads
     for row in table.values():
         assert math.isfinite(row["wall_step_s"]) and row["wall_step_s"] > 0 and row["cpu_step_s"] > 0
-    assert table["0"]["learner_wait_s"] == 0.0  # the loop waits for nothing
+    assert table["0@1"]["learner_wait_s"] == table["0@2"]["learner_wait_s"] == 0.0  # the loop waits for nothing
     text = capsys.readouterr().out
-    assert "| 0 |" in text and "| 1 |" in text and "overlap floor" in text
+    assert "| 0 | 1 |" in text and "| 0 | 2 |" in text and "| 1 | 1 |" in text and "overlap floor" in text
