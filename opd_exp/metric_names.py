@@ -78,6 +78,7 @@ STEP: dict[str, str] = {
     "self/privileged_gain": "mean log T(y | x, context) - log T(y | x) over the student's tokens",
     "align/chunk_tokens_mean": "teacher.align=bytes: tokens per aligned chunk",
     "align/one_to_one_rate": "teacher.align=bytes: share of chunks of one token on each side",
+    "align/shared_vocab_mass": "teacher.align_vocab=shared: the teacher's mass on mapped ids at one-to-one positions",
     "episode/turns_mean": "a task with an environment: student turns per episode",
     "episode/student_tokens_mean": "the student's own (trained) tokens per episode",
     "episode/env_tokens_mean": "the environment's tokens per episode (scored by the teacher, never trained)",

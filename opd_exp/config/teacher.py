@@ -45,6 +45,8 @@ TeacherName = RegistryChoice("TeacherName", [(n, n) for n in BUILT_IN])
 FROM_STUDENT = ("ema", "lagged", "live")  # kinds whose weights are the student's
 ALIGN = ("none", "bytes")  # teacher.align
 ALIGN_PLACEMENTS = ("sequence", "chunk")  # teacher.align_placement (divergences.chunks.PLACEMENTS)
+ALIGN_VOCABS = ("none", "shared")  # teacher.align_vocab
+SHARED_VOCAB_ESTIMATORS = ("full", "topk")  # what teacher.align_vocab=shared feeds
 # what a teacher that is the student may do instead (here and in pairs.load.check_teacher_is_not_student)
 SELF_TEACHER_ALLOWED = (
     "teacher.privileged=solution|answer (the student with privileged context as its own teacher), "
@@ -106,6 +108,11 @@ class TeacherConfig:
     # chunk's last student token: exact without teacher look-ahead, biased with it; identical
     # tokenizers give the same losses as align=none)
     align_placement: str = "sequence"
+    # bytes: none (the chunk payload above, estimator=sampled) | shared: the teacher's next-token
+    # distribution at one-to-one chunks mapped onto the student's vocabulary through identical token
+    # strings, plus one tail bucket per side, for estimator=full|topk (GOLD/ULD-style; BIASED for the
+    # sequence KL, measured in docs/training.md; training/shared_vocab.py)
+    align_vocab: str = "none"
     # bytes: allow what is biased for the sequence KL (loss.credit=token or gamma < 1; placement=chunk
     # with a teacher whose tokenizer is not the student's), named on purpose
     align_biased: bool = False
@@ -132,6 +139,7 @@ class TeacherConfig:
             )
         _check(self.align in ALIGN, "teacher.align", self.align, " | ".join(ALIGN))
         _check(self.align_placement in ALIGN_PLACEMENTS, "teacher.align_placement", self.align_placement, " | ".join(ALIGN_PLACEMENTS))
+        _check(self.align_vocab in ALIGN_VOCABS, "teacher.align_vocab", self.align_vocab, " | ".join(ALIGN_VOCABS))
         _check(isinstance(self.align_biased, bool), "teacher.align_biased", self.align_biased, "true or false")
         if self.url is not None:
             ok = self.url.startswith(("http://", "https://")) and len(self.url.split("://", 1)[1].strip("/")) > 0
@@ -164,6 +172,12 @@ def validate_teacher(cfg) -> None:
         )
     if te.align == "bytes":
         validate_align(cfg)
+    elif te.align_vocab != "none":
+        _fail(
+            "teacher.align_vocab",
+            te.align_vocab,
+            "none with teacher.align=none (the map is between two tokenizers), or teacher.align=bytes",
+        )
     validate_not_the_student(cfg)
     if not te.served:
         return
@@ -226,11 +240,14 @@ def validate_align(cfg) -> None:
             "(set)",
             f"none {why} (one teacher with its own tokenizer, in_process or served; routed teachers share the pair's)",
         )
+    if te.align_vocab == "shared":
+        return validate_shared_vocab(cfg)
     if cfg.estimator.name.value != "sampled":
         _fail(
             "estimator.name",
             cfg.estimator.name.value,
-            f"sampled {why} (the teacher's distribution is over its own vocabulary: only the sampled text's log-prob is shared)",
+            f"sampled {why} (the teacher's distribution is over its own vocabulary: only the sampled text's log-prob is shared); "
+            "or full | topk with teacher.align_vocab=shared (biased, docs/training.md)",
         )
     if cfg.divergence.name.value != "rkl":
         _fail(
@@ -257,6 +274,27 @@ def validate_align(cfg) -> None:
         _fail(
             "rollout.on_policy_fraction", cfg.rollout.on_policy_fraction, f"1.0 {why} (teacher-sampled steps need the exact per-token loss)"
         )
+    if cfg.rollout.filtered:
+        key, value = ("rollout.top_k", cfg.rollout.top_k) if cfg.rollout.top_k > 0 else ("rollout.top_p", cfg.rollout.top_p)
+        _fail(key, value, f"rollout.top_k=0 and rollout.top_p=1.0 {why} (the filtered-mass term needs the teacher's distribution)")
+    if te.privileged is not Privileged.none:
+        _fail("teacher.privileged", te.privileged.value, f"none {why}")
+
+
+def validate_shared_vocab(cfg) -> None:
+    """What ``teacher.align_vocab=shared`` feeds: the dense or top-k estimator on the teacher's next-token
+    distribution written over the student's vocabulary (training/shared_vocab.py); one line otherwise."""
+    te, why = cfg.teacher, "with teacher.align_vocab=shared"
+    if te.name.value != "in_process":
+        _fail("teacher.name", te.name.value, f"in_process {why} (the map needs the teacher's whole next-token distribution)")
+    est = cfg.estimator.name.value
+    if est not in SHARED_VOCAB_ESTIMATORS:
+        allowed = " | ".join(SHARED_VOCAB_ESTIMATORS)
+        _fail("estimator.name", est, f"{allowed} {why} (estimator=sampled takes the unbiased chunk payload: teacher.align_vocab=none)")
+    if cfg.positions.name.value == "entropy_gate":
+        _fail("positions.name", "entropy_gate", f"a rule that reads no teacher entropy {why} (the teacher's is over its own vocabulary)")
+    if cfg.rollout.on_policy_fraction < 1.0:
+        _fail("rollout.on_policy_fraction", cfg.rollout.on_policy_fraction, f"1.0 {why} (a teacher-sampled row is in the teacher's tokens)")
     if cfg.rollout.filtered:
         key, value = ("rollout.top_k", cfg.rollout.top_k) if cfg.rollout.top_k > 0 else ("rollout.top_p", cfg.rollout.top_p)
         _fail(key, value, f"rollout.top_k=0 and rollout.top_p=1.0 {why} (the filtered-mass term needs the teacher's distribution)")

@@ -189,7 +189,8 @@ class FirstStepCheck:
         from opd_exp.runtime.errors import ConfigError
         from opd_exp.training.scoring import TeacherScores, token_logprobs
 
-        scores = teacher if isinstance(teacher, TeacherScores) else TeacherScores(logits=teacher)
+        # the scores as the objective reads them (completed beside the student's logits where they say so)
+        scores = (teacher if isinstance(teacher, TeacherScores) else TeacherScores(logits=teacher)).against(z)
         s = token_logprobs(z, y)
         m = mask.bool() & (s.exp() > 0)  # the trained tokens the objective keeps
         if not m.any():

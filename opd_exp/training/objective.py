@@ -182,8 +182,8 @@ class Objective:
         ``behaviour_logprobs``: log B(y) of the policy that sampled a stale rollout (rollout.staleness
         > 0): its correction's importance weights multiply the terms (``training/staleness.py``)."""
         cfg = self.cfg
-        # the teacher: its TeacherScores, or its dense tempered logits
-        scores = teacher if isinstance(teacher, TeacherScores) else TeacherScores(logits=teacher)
+        # the teacher: its TeacherScores (completed beside the student's logits where it says so), or its dense tempered logits
+        scores = (teacher if isinstance(teacher, TeacherScores) else TeacherScores(logits=teacher)).against(student_z)
         if scores.dense == self.sparse or (self.sparse and not on_policy):
             raise ValueError(
                 f"Objective: built for a {'sparse' if self.sparse else 'dense'} teacher, given "

@@ -169,6 +169,12 @@ class TeacherScores:
             raise ValueError(f"TeacherScores: top-{k} asked of a payload that holds the top-{self.k}")
         return self.topk_logprobs[..., :k], self.topk_ids[..., :k]
 
+    def against(self, student_z: torch.Tensor) -> TeacherScores:
+        """The scores the objective uses beside the student's logits ``student_z``: these scores
+        themselves, except a payload completed with the student's own distribution (a teacher over
+        another vocabulary, ``training/shared_vocab.py``)."""
+        return self
+
     def finite_check(self) -> torch.Tensor:
         """The tensor whose entries must all be finite for the loss to be."""
         if self.dense:

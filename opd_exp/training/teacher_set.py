@@ -95,7 +95,9 @@ class TeacherSet:
 
     def monitors(self, cfg, objective) -> Monitors:
         if not self.active:
-            return Monitors(cfg, sparse=objective.sparse)
+            # a teacher with its own tokenizer has no distribution over the student's vocabulary to monitor
+            # (the shared-vocabulary path's is the student's own outside one-to-one chunks)
+            return Monitors(cfg, sparse=objective.sparse or cfg.teacher.align == "bytes")
         return RoutedMonitors(cfg, self.names, objective, sparse=objective.sparse)
 
     def metrics(self, tally: Tally, n_tokens: int) -> dict[str, float]:

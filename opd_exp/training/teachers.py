@@ -62,7 +62,9 @@ def sparse_teacher_k(cfg, vocab_size: int) -> int | None:
     whole distribution is there: in-process, or k >= V)."""
     te = cfg.teacher
     if te.align == "bytes":
-        return 0  # a sampled-only payload (training/teacher_align.py): no top-k at all
+        # the chunk payload is sampled-only (training/teacher_align.py): no top-k at all; the shared-vocabulary
+        # path completes the teacher over the student's vocabulary (training/shared_vocab.py): dense
+        return None if te.align_vocab == "shared" else 0
     if not te.served:
         return None
     k = te.k if te.k is not None else cfg.estimator.k
@@ -72,6 +74,10 @@ def sparse_teacher_k(cfg, vocab_size: int) -> int | None:
 @register_teacher_scorer("in_process")
 def _in_process(ctx: ScorerContext) -> TeacherScorer:
     if ctx.cfg.teacher.align == "bytes":  # the teacher's own tokens, aligned by byte offsets
+        if ctx.cfg.teacher.align_vocab == "shared":  # at one-to-one chunks, over the shared vocabulary + a tail
+            from opd_exp.training.shared_vocab import build_shared_vocab_teacher
+
+            return build_shared_vocab_teacher(ctx)
         from opd_exp.training.teacher_align import build_byte_aligned
 
         return build_byte_aligned(ctx)
