@@ -121,7 +121,11 @@ class ByteAlignedTeacher(TeacherScorer):
         self.prompt_text = prompt_text or (lambda text: text)
         self.teacher_vocab = len(teacher_tokenizer)
         # what scores the teacher's own tokens: the model here, or a served one (its vocabulary is the teacher's)
-        self.scorer = teacher or InProcessTeacher(model, self.teacher_vocab, temperature=temperature, device=device, autocast=autocast)
+        self.scorer = (
+            teacher
+            if teacher is not None
+            else InProcessTeacher(model, self.teacher_vocab, temperature=temperature, device=device, autocast=autocast)
+        )
         self.teacher_bos = bos_prepended(teacher_tokenizer)
         self.end_ids = student_end_ids(student_tokenizer)
         self.teacher_end = end_of_turn_id(teacher_tokenizer)

@@ -304,7 +304,7 @@ class ServedTeacher(TeacherScorer):
         if max_sequence_tokens is not None and isinstance(max_len, int) and max_sequence_tokens + 1 > max_len:
             raise ConfigError(
                 f"{self._where()}: the server's max_model_len={max_len} is shorter than a rollout's "
-                f"{max_sequence_tokens} tokens + 1 (rollout.max_prompt_tokens + rollout.max_new_tokens); allowed: a server started with "
+                f"{max_sequence_tokens} tokens + 1 (rollout.max_prompt_tokens + rollout.max_new_tokens, or an episode's budget); allowed: a server started with "
                 f"--max-model-len >= {max_sequence_tokens + 1}, or shorter rollouts"
             )
         self._server["tokenizer_hash"] = self._check_tokenizer()
@@ -608,17 +608,19 @@ def _max_gap(a: TeacherScores, b: TeacherScores, batch: Batch) -> float:
     return float(torch.cat(gaps).max()) if m.any() else 0.0
 
 
-def build_served_teacher(
-    cfg, vocab_size: int, tokenizer, reference: InProcessTeacher | None, warn=print, *, k: int | None = None, own_tokenizer: bool = False
-) -> ServedTeacher:
-    """``teacher=served`` from a TrainConfig: connected, checked and self-tested, or one line
-    (``own_tokenizer``: the teacher's own tokenizer and vocabulary, ``teacher.align=bytes``)."""
+def build_served_teacher(cfg, vocab_size: int, tokenizer, reference: InProcessTeacher | None, warn=print) -> ServedTeacher:
+    """``teacher=served`` from a TrainConfig: connected, checked and self-tested, or one line."""
     te = cfg.teacher
-    k = k if k is not None else te.k if te.k is not None else cfg.estimator.k
-    whose = "the teacher's own tokenizer (model_pair.teacher's, teacher.align=bytes)" if own_tokenizer else "the pair's tokenizer"
-    teacher = ServedTeacher(te, k, vocab_size, tokenizer=tokenizer, whose=whose)
-    # the student's token budget says nothing of the teacher's own tokens: a too-long one is refused per request
-    longest = None if own_tokenizer else cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens
+    k = te.k if te.k is not None else cfg.estimator.k
+    teacher = ServedTeacher(te, k, vocab_size, tokenizer=tokenizer)
+    return connected(
+        teacher, cfg, reference, warn, longest=cfg.rollout.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.rollout.episode_tokens)
+    )
+
+
+def connected(teacher: ServedTeacher, cfg, reference: InProcessTeacher | None, warn, *, longest: int | None) -> ServedTeacher:
+    """``teacher`` connected, checked and self-tested (``longest``: the tokens a sequence may hold), or one line."""
+    te = cfg.teacher
     try:
         if urllib.parse.urlsplit(te.url).path.rstrip("/").endswith("/v1"):
             warn(f"opd-train: teacher.url={teacher.shown_url} ends in /v1, which the client adds itself: using {teacher.base}")
@@ -654,12 +656,17 @@ def build_served_byte_aligned(ctx):
         )
     t_tok = ctx.teacher_tokenizer or ctx.tokenizer
     V = len(t_tok)
-    local = None
-    if ctx.model is not None:
-        local = InProcessTeacher(ctx.model, V, temperature=ctx.cfg.divergence.temperature, device=ctx.device, autocast=ctx.autocast)
-    served = build_served_teacher(ctx.cfg, V, t_tok, local, warn=ctx.warn, k=1, own_tokenizer=True)
+    served = ServedTeacher(
+        ctx.cfg.teacher, 1, V, tokenizer=t_tok, whose="the teacher's own tokenizer (model_pair.teacher's, teacher.align=bytes)"
+    )
     try:
-        return build_byte_aligned(ctx, teacher=served)
+        aligned = build_byte_aligned(ctx, teacher=served)  # its refusals before the server is asked anything
     except BaseException:
         served.close()
         raise
+    local = None
+    if ctx.model is not None:
+        local = InProcessTeacher(ctx.model, V, temperature=ctx.cfg.divergence.temperature, device=ctx.device, autocast=ctx.autocast)
+    # the student's token budget says nothing of the teacher's own tokens: a too-long row is refused per request
+    connected(served, ctx.cfg, local, ctx.warn, longest=None)
+    return aligned
