@@ -419,3 +419,56 @@ def test_a_student_whose_head_size_vllms_cpu_attention_cannot_run_is_one_line(ti
     assert str(ex.value).count("\n") == 0 and "head_dim=16" in str(ex.value) and "[32, 64, 128]" in str(ex.value)
     backend.get_supported_head_sizes = lambda: [16, 32]
     check_cpu_attention(tiny_pair.student)
+
+
+# -- rollout.staleness > 0 on the vLLM engine: vLLM is the producer ----------------------------------
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_stale_run_on_the_vllm_engine_samples_each_rollout_with_the_weights_k_updates_old(tiny_pair, add_task, tmp_path, monkeypatch, k):
+    """The engine, driven by a thread of the learner's process (no producer process), samples the rollout
+    of step m with the weights after max(0, m - k) updates: its log-probs (kept as the behaviour
+    policy's) equal those of that snapshot of the student and not the current one; the importance
+    weights the objective reads are S_now / B of those numbers (``async/is_weight_max``)."""
+    import threading
+
+    import opd_exp.training.rollout_vllm as RV
+    from opd_exp.training.trainer import Trainer
+
+    monkeypatch.setattr(RV, "require_vllm", lambda: None)
+    engine_model = copy.deepcopy(tiny_pair.student)
+    monkeypatch.setattr(VllmRollout, "make_llm", staticmethod(lambda **kw: (FakeLLM(engine_model, logprobs_mode=PROCESSED, **kw), True)))
+    monkeypatch.setattr(VllmRollout, "sampling_params_class", staticmethod(lambda: FakeSamplingParams))
+    tiny_pair.student.name_or_path = "tiny-student"
+    cfg = small_config(
+        divergence=dict(name="rkl"),
+        rollout=dict(engine=S.RolloutEngine.vllm, staleness=k, correction="recompute", is_cap=None),
+        estimator=dict(name="sampled"),
+        loss=dict(name="reinforce"),
+        trainer=dict(max_steps=4, batch_size=2, lr=0.05),
+    )
+    t = Trainer(cfg, tmp_path / "run", pair=tiny_pair, task=add_task)
+    snapshots, batches, sample = [], [], t.sample
+
+    def recorded(step):  # the student after `step` updates, then the rollout it trains on
+        snapshots.append(copy.deepcopy(t.student))
+        batches.append(sample(step))
+        return batches[-1]
+
+    t.sample = recorded
+    out = [t.train_step() for _ in range(4)]
+    assert isinstance(t.rollouts.proc, threading.Thread) and t.rollouts.engine is t.engines.student  # no producer process
+    t.rollouts.close()
+    assert [m["async/staleness"] for m in out] == [min(s, k) for s in range(4)]
+    with torch.no_grad():
+        for m, (b, metrics) in enumerate(zip(batches, out)):
+            mask = b.response_mask
+            assert torch.equal(b.behaviour_logprobs, b.sampling_logprobs)
+            behaviour = _trainer_logprobs(
+                SimpleNamespace(student=snapshots[max(0, m - k)], vocab_size=tiny_pair.vocab_size), b, temperature=1.0, top_k=0
+            )
+            now = _trainer_logprobs(SimpleNamespace(student=snapshots[m], vocab_size=tiny_pair.vocab_size), b, temperature=1.0, top_k=0)
+            assert (b.behaviour_logprobs - behaviour).abs()[mask].max() < 1e-5, m
+            log_w = torch.cumsum(torch.where(mask, now.double() - b.behaviour_logprobs.double(), 0.0), -1)
+            assert metrics["async/is_weight_max"] == pytest.approx(float(log_w[mask].max().exp()), rel=1e-4), m
+            if m >= k:  # sampled by an older student: the weights are not 1
+                assert (now - behaviour).abs()[mask].max() > 1e-3 and abs(metrics["async/is_weight_max"] - 1.0) > 1e-3, m
+    assert not any(th.name == "opd-rollout-producer" for th in threading.enumerate())  # closed: the thread ended

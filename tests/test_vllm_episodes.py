@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
 
-from helpers.tiny import AddTask, build_model, build_tokenizer, small_config
+from helpers.tiny import AddTask, small_config
+from helpers.vllm_world import build_vllm_world, load_vllm_world
 
 pytestmark = pytest.mark.vllm
 
@@ -52,19 +52,13 @@ def _echo_env():
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("vllm_episode_world")
-    tok = build_tokenizer(root / "tokenizer")
-    build_model(root / "student", len(tok), hidden=128, layers=1, seed=1)  # 2 heads: head_dim 64
-    build_model(root / "teacher", len(tok) + 8, hidden=32, layers=2, seed=2)  # in process (HF): any shape
-    return root
+    return build_vllm_world(tmp_path_factory.mktemp("vllm_episode_world"))
 
 
 @pytest.fixture(scope="module")
 def run(world, tmp_path_factory):
     """A Trainer with the vLLM engine on the echo task, and STEPS steps: each row the step's metrics,
     its batch and the episodes the engine recorded."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from opd_exp.config.world import TaskConfig
     from opd_exp.tasks import register_task
     from opd_exp.tasks.environment import register_environment
@@ -73,13 +67,7 @@ def run(world, tmp_path_factory):
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB
     register_task(EchoTask.name, lambda cfg: EchoTask(), replace=True)
     register_environment(EchoTask.name, lambda cfg: _echo_env(), replace=True)
-    tok = AutoTokenizer.from_pretrained(world / "tokenizer")
-    pair = SimpleNamespace(
-        student=AutoModelForCausalLM.from_pretrained(world / "student"),
-        teacher=AutoModelForCausalLM.from_pretrained(world / "teacher"),
-        tokenizer=tok,
-        vocab_size=len(tok),
-    )
+    pair = load_vllm_world(world)
     cfg = small_config(
         trainer={"max_steps": STEPS, "batch_size": 4, "lr": 3e-3},
         divergence={"name": "rkl"},

@@ -168,7 +168,11 @@ def validate_staleness(cfg) -> None:
         _fail("loss.name", "ppo", f"reinforce or direct {why} (PPO's ratio would need the behaviour policy's log-probs as its old ones)")
     if ro.on_policy_fraction < 1.0:
         _fail("rollout.on_policy_fraction", ro.on_policy_fraction, f"1.0 {why} (the producer samples the student only)")
-    if ro.engine.value not in ("auto", "lean", "hf"):
-        _fail("rollout.engine", ro.engine.value, f"auto, lean or hf {why} (the producer samples a copy of the student in process)")
+    if ro.engine.value not in ("auto", "lean", "hf", "vllm"):  # a plugin engine: the producer would not be it
+        _fail(
+            "rollout.engine",
+            ro.engine.value,
+            f"auto, lean, hf or vllm {why} (the producer samples a copy of the student with an in-process decoder, or is vLLM's engine)",
+        )
     if cfg.scale.parallel.value != "none":
         _fail("scale.parallel", cfg.scale.parallel.value, f"none {why} (one producer, one learner)")

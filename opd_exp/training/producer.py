@@ -12,6 +12,13 @@ of (seed, step, weights), never of timing. The engine's log-probs of its samples
 policy's (``Batch.behaviour_logprobs``), which the correction's importance weights read
 (``training/staleness.py``).
 
+On ``rollout.engine=vllm`` the producer is vLLM itself: its engine already holds a copy of the
+student's weights of its own (``RolloutEngine.holds_weights``), so a thread of the learner's process
+drives it (vLLM's in-process engine; the thread waits on its forwards, which release the interpreter
+lock) under the same protocol: the learner snapshots its weights (HF-named tensors) after each update,
+the thread pushes the version a job names into vLLM (``push_weights``, as the in-loop sync does) before
+sampling it, and vLLM's processed log-probs of its samples are the behaviour policy's.
+
 Resume is exact: a checkpoint after step n holds the rollouts in flight (steps n .. n+k-1, sampled
 by weights the checkpoint no longer has: kept, not regenerated) and a resumed producer continues
 from step n+k with the checkpoint's weights.
@@ -24,6 +31,7 @@ import copy
 import dataclasses
 import os
 import queue
+import threading
 import time
 from typing import Any
 
@@ -78,8 +86,9 @@ class Producer:
     sends, in order, its weights after each update and the jobs they allow; the producer answers
     each job with a ``Produced``. Tensors travel through shared memory (torch.multiprocessing)."""
 
-    def __init__(self, cfg, student, tokenizer, vocab_size: int, *, engine_spec, plan, cursor: DataCursor, phases):
+    def __init__(self, cfg, student, tokenizer, vocab_size: int, *, engine_spec, plan, cursor: DataCursor, phases, engine=None):
         self.k, self.seed, self.phases = cfg.rollout.staleness, cfg.seed, phases
+        self.engine = engine  # an engine with weights of its own (vLLM): driven by a thread here, no process
         self.student, self.tokenizer, self.plan, self.cursor = student, tokenizer, plan, cursor
         self.engine_spec = engine_spec  # (builder, train config, vocab size, autocast): the producer's engine, built there
         self.ready: dict[int, Produced] = {}
@@ -95,7 +104,7 @@ class Producer:
         if self.proc is None:
             self._start(step, prompts)
         with self.phases("sync"):  # the weights after `step` updates: they sample the rollout k steps on
-            self.jobs.put(("weights", step, [p.detach().to("cpu", copy=True) for p in self.student.parameters()]))
+            self.jobs.put(("weights", step, self._snapshot()))
         while self.requested < step + self.k:  # every rollout these weights (or older ones) sample
             m = self.requested + 1
             rows = self.pending.pop(m) if m in self.pending else self.plan(self.lookahead, self.tokenizer)
@@ -120,7 +129,7 @@ class Producer:
                 msg = self.results.get(timeout=5.0)
             except queue.Empty:
                 if not self.proc.is_alive():
-                    raise RuntimeError(f"rollout producer: the process ended (exit code {self.proc.exitcode})") from None
+                    raise RuntimeError(f"rollout producer: it ended (exit code {getattr(self.proc, 'exitcode', None)})") from None
                 continue
             if isinstance(msg, str):
                 raise RuntimeError(f"rollout producer failed: {msg}")
@@ -165,9 +174,17 @@ class Producer:
         with contextlib.suppress(Exception):
             self.jobs.put(("stop",))
         self.proc.join(timeout=30)
-        if self.proc.is_alive():
+        if self.proc.is_alive() and hasattr(self.proc, "terminate"):  # a thread ends at its next job
             self.proc.terminate()
         self.proc = None
+
+    def _snapshot(self):
+        """The learner's weights now, copied (it updates them in place while they wait to be loaded):
+        the parameters in order for the process's copy of the student; HF-named tensors for vLLM."""
+        if self.engine is not None:
+            base = self.student.get_base_model() if hasattr(self.student, "get_base_model") else self.student
+            return [(name, t.detach().to("cpu", copy=True)) for name, t in base.state_dict().items()]
+        return [p.detach().to("cpu", copy=True) for p in self.student.parameters()]
 
     def _start(self, step: int, prompts: list[str]) -> None:
         """First rollout wanted: ``step`` (its prompts already drawn by the learner, whose cursor is
@@ -179,6 +196,17 @@ class Producer:
         self.requested = step + len(loaded) - 1
         if not loaded:
             self.pending[step] = list(prompts)
+        if self.engine is not None:  # vLLM: its engine is the producer, a thread of this process drives it
+            self.jobs, self.results = queue.Queue(), queue.Queue()
+            load = self.engine.push_weights
+            self.proc = threading.Thread(
+                target=_serve,
+                args=(self.engine, load, self.seed, self.jobs, self.results, lambda: True),
+                name="opd-rollout-producer",
+                daemon=True,
+            )
+            self.proc.start()
+            return
         # forkserver: a fork of a clean server process (a fork of this one, with torch's threads, can
         # deadlock), which has the producer and transformers imported once for every run of the process
         ctx = mp.get_context("forkserver")
@@ -195,22 +223,40 @@ class Producer:
 
 
 def _produce(model, tokenizer, engine_spec, seed: int, jobs, results) -> None:
-    """The producer process: weights in the order the learner sends them, each job sampled by the
-    version it names (sent before it), one ``Produced`` back per job."""
+    """The producer process: its own copy of the student (``model``), sampled by ``rollout.engine``'s
+    in-process decoder; a learner killed outright never sends "stop", so it ends when its parent is gone."""
     torch.set_num_threads(1)
-    build, cfg, vocab_size, autocast = engine_spec
-    engine = build(cfg, model, tokenizer, vocab_size, source="student", autocast=autocast)
-    weights: dict[int, list[torch.Tensor]] = {}
-    loaded, parent = None, os.getppid()
+    try:
+        build, cfg, vocab_size, autocast = engine_spec
+        engine = build(cfg, model, tokenizer, vocab_size, source="student", autocast=autocast)
+    except BaseException as ex:  # the learner raises it at its next wait
+        results.put(f"{type(ex).__name__}: {ex}")
+        return
+
+    @torch.no_grad()
+    def load(tensors, version: int) -> None:
+        for mine, theirs in zip(model.parameters(), tensors, strict=True):
+            mine.copy_(theirs)
+
+    parent = os.getppid()
+    _serve(engine, load, seed, jobs, results, lambda: os.getppid() == parent)
+
+
+def _serve(engine, load, seed: int, jobs, results, alive) -> None:
+    """The producer's loop: weights in the order the learner sends them, each job sampled by the
+    version it names (``load(weights, version)`` before it), one ``Produced`` back per job; the
+    engine's log-probs of its samples kept as the behaviour policy's."""
+    weights: dict[int, list] = {}
+    loaded = None
     try:
         while True:
             t0 = time.perf_counter()
-            while True:  # a learner killed outright never sends "stop": its producer ends with it
+            while True:
                 try:
                     msg = jobs.get(timeout=5.0)
                     break
                 except queue.Empty:
-                    if os.getppid() != parent:
+                    if not alive():
                         return
             if msg[0] == "stop":
                 return
@@ -220,9 +266,7 @@ def _produce(model, tokenizer, engine_spec, seed: int, jobs, results) -> None:
             _, m, version, prompts = msg
             wait_s = time.perf_counter() - t0
             if loaded != version:
-                with torch.no_grad():
-                    for mine, theirs in zip(model.parameters(), weights[version], strict=True):
-                        mine.copy_(theirs)
+                load(weights[version], version)
                 loaded = version
                 for v in [v for v in weights if v < version]:
                     del weights[v]
@@ -237,7 +281,18 @@ def _produce(model, tokenizer, engine_spec, seed: int, jobs, results) -> None:
 
 
 def build_rollouts(cfg, engines, student, tokenizer, vocab_size: int, *, phases, plan, cursor, engine_spec):
-    """``rollout.staleness``: 0 samples in the loop, k > 0 a producer k updates ahead."""
+    """``rollout.staleness``: 0 samples in the loop, k > 0 a producer k updates ahead: a process with a
+    copy of the student, or (an engine with weights of its own: vLLM) the engine itself, driven by a thread."""
     if not cfg.rollout.staleness:
         return InLoop(engines, student, phases)
-    return Producer(cfg, student, tokenizer, vocab_size, engine_spec=engine_spec, plan=plan, cursor=cursor, phases=phases)
+    engine = engines.student if getattr(engines.student, "holds_weights", False) else None
+    if engine is not None and not getattr(engine, "processed", True):
+        from opd_exp.config.checks import fail
+
+        fail(
+            "rollout.staleness",
+            cfg.rollout.staleness,
+            "0 with this vLLM (it has no logprobs_mode: its log-probs are raw, not the sampled distribution's, "
+            "and a stale rollout's importance weights need the behaviour policy's)",
+        )
+    return Producer(cfg, student, tokenizer, vocab_size, engine_spec=engine_spec, plan=plan, cursor=cursor, phases=phases, engine=engine)

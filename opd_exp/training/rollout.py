@@ -381,6 +381,9 @@ class RolloutEngine(abc.ABC):
     """
 
     source: Source | str = Source.student
+    # an engine with a copy of the weights of its own (vLLM), loaded by ``push_weights(named tensors,
+    # version)``: with rollout.staleness > 0 it is the producer itself (training/producer.py)
+    holds_weights: bool = False
 
     @abc.abstractmethod
     def generate(

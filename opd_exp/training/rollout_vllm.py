@@ -268,12 +268,18 @@ class VllmRollout(RolloutEngine):
         )
 
     # -- weights ------------------------------------------------------------
+    holds_weights = True
+
     def sync_weights(self, student, version: int) -> bool:
         """Push the student's weights into the engine unless it already holds ``version``."""
         if self.version == version:
             return False
         base = student.get_base_model() if hasattr(student, "get_base_model") else student
-        weights = [(name, t.detach()) for name, t in base.state_dict().items()]
+        self.push_weights([(name, t.detach()) for name, t in base.state_dict().items()], version)
+        return True
+
+    def push_weights(self, weights: list[tuple[str, torch.Tensor]], version: int) -> None:
+        """Load HF-named tensors (a ``state_dict``'s items) into the engine as ``version``."""
         try:  # in place, re-running the kernels' weight processing (CPU repacking)
             with _quiet("vllm.model_executor.model_loader.reload.layerwise"):
                 self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights), "is_checkpoint_format": True})
@@ -284,7 +290,6 @@ class VllmRollout(RolloutEngine):
         if hasattr(self.llm, "reset_prefix_cache"):
             self.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
         self.version = version
-        return True
 
     # -- sampling -----------------------------------------------------------
     def sync(self, model, version: int) -> None:
