@@ -472,3 +472,53 @@ def test_a_stale_run_on_the_vllm_engine_samples_each_rollout_with_the_weights_k_
             if m >= k:  # sampled by an older student: the weights are not 1
                 assert (now - behaviour).abs()[mask].max() > 1e-3 and abs(metrics["async/is_weight_max"] - 1.0) > 1e-3, m
     assert not any(th.name == "opd-rollout-producer" for th in threading.enumerate())  # closed: the thread ended
+
+
+@pytest.mark.slow  # three runs of six steps
+def test_a_resumed_stale_run_on_the_vllm_engine_equals_the_straight_one(tiny_dir, tmp_path, monkeypatch):
+    """k = 2: the checkpoint at step 2 holds the two rollouts vLLM sampled ahead (by weights it no longer
+    has); the resumed run trains on them, then vLLM samples on from the checkpoint's weights: every
+    logged number equals the straight run's."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import opd_exp.training.rollout_vllm as RV
+    from opd_exp.runtime import checkpoint
+    from opd_exp.training.trainer import Trainer
+
+    monkeypatch.setattr(RV, "require_vllm", lambda: None)
+    monkeypatch.setattr(VllmRollout, "sampling_params_class", staticmethod(lambda: FakeSamplingParams))
+
+    def run(run_dir, stop_after=None):
+        tok = AutoTokenizer.from_pretrained(tiny_dir / "tokenizer")
+        pair = SimpleNamespace(
+            student=AutoModelForCausalLM.from_pretrained(tiny_dir / "student"),
+            teacher=AutoModelForCausalLM.from_pretrained(tiny_dir / "teacher"),
+            tokenizer=tok,
+            vocab_size=len(tok),
+        )
+        engine_model = AutoModelForCausalLM.from_pretrained(tiny_dir / "student")  # what vLLM loads from the folder
+        monkeypatch.setattr(
+            VllmRollout, "make_llm", staticmethod(lambda **kw: (FakeLLM(engine_model, logprobs_mode=PROCESSED, **kw), True))
+        )
+        cfg = small_config(
+            divergence={"name": "rkl"},
+            estimator={"name": "sampled", "baseline": "none"},
+            loss={"name": "reinforce"},
+            trainer={"max_steps": 6, "lr": 0.05},
+            checkpoint={"every": 2},
+            rollout={"engine": "vllm", "staleness": 2, "correction": "recompute", "max_new_tokens": 4, "max_prompt_tokens": 8},
+        )
+        Trainer(cfg, run_dir, pair=pair, task=AddTask()).run(stop_after=stop_after)
+        return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+    straight = run(tmp_path / "a")
+    run(tmp_path / "b", stop_after=3)
+    assert (tmp_path / "b" / "checkpoints" / "step_000002" / checkpoint.PRODUCER_FILE).is_file()
+    resumed = run(tmp_path / "b")
+    key = lambda rows: {
+        r["step"]: {k: v for k, v in r.items() if not k.startswith(("perf/", "async/learner_wait", "async/producer_wait"))} for r in rows
+    }
+    assert key(straight) == key(resumed)
+    assert [r["async/staleness"] for r in straight if "async/staleness" in r] == [0, 1, 2, 2, 2, 2]
