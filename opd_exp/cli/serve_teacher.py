@@ -14,7 +14,7 @@ checks the server's tokenizer against it; the printed overrides then carry ``tea
 Own keys: ``port`` (required), ``host`` (127.0.0.1), ``python`` (the interpreter that has vLLM;
 default this one), ``device`` (auto | cpu | cuda), ``dtype`` (float32: what the in-process
 teacher computes in, so the start-up self-test compares like with like), ``max_model_len``
-(default: the rollout's prompt + new tokens + 1, at least 512), ``max_logprobs`` (default:
+(default: the rollout's prompt + new tokens, or an episode's budget, + 1, at least 512), ``max_logprobs`` (default:
 teacher.k, else estimator.k), ``kv_cache_gib`` (CPU KV cache, 1), ``gpu_memory_utilization``
 (0.1 on CPU: there it is the share of RAM reserved; 0.9 on a GPU), ``ready_s`` (600).
 """
@@ -205,7 +205,8 @@ def options_from_args(argv: list[str]) -> ServeOptions:
     if device not in ("cpu", "cuda"):
         raise ConfigError(f"opd-serve-teacher: device={device!r} is not allowed; allowed: auto, cpu, cuda")
     k = cfg.teacher.k if cfg.teacher.k is not None else cfg.estimator.k
-    length = cfg.rollout.max_prompt_tokens + cfg.rollout.max_new_tokens + 1
+    # a row holds the prompt and a turn, or an episode's budget (a task with an environment: turns and answers)
+    length = cfg.rollout.max_prompt_tokens + max(cfg.rollout.max_new_tokens, cfg.rollout.episode_tokens) + 1
     return ServeOptions(
         folder=str(Path(teacher).resolve()) if Path(teacher).exists() else teacher,
         port=int(own["port"]),
