@@ -522,3 +522,27 @@ def test_a_resumed_stale_run_on_the_vllm_engine_equals_the_straight_one(tiny_dir
     }
     assert key(straight) == key(resumed)
     assert [r["async/staleness"] for r in straight if "async/staleness" in r] == [0, 1, 2, 2, 2, 2]
+
+
+def test_an_engine_without_sample_turns_cannot_run_episodes_in_one_line():
+    """The refusal is by capability: a plugin engine that only implements ``generate`` is one line
+    naming what is allowed; the vLLM engine (it samples turns) is wrapped."""
+    from opd_exp.tasks.environment import Environment
+    from opd_exp.training.episodes import episode_engine
+    from opd_exp.training.rollout import RolloutEngine
+
+    class OneShot(RolloutEngine):
+        def generate(self, prompts, seeds=None, *, n_samples=1, greedy=False):
+            raise AssertionError("not called")
+
+    with pytest.raises(ConfigError) as ex:
+        episode_engine(OneShot(), Environment())
+    assert "\n" not in str(ex.value) and "rollout.engine=OneShot" in str(ex.value) and str(ex.value).endswith("lean, hf, auto or vllm")
+
+
+def test_the_vllm_engine_is_wrapped_for_episodes(tiny_pair):
+    from opd_exp.tasks.environment import Environment
+    from opd_exp.training.episodes import EpisodeRollout, episode_engine
+
+    ro = small_config(rollout={"max_new_tokens": 4, "max_prompt_tokens": 8, "max_turns": 2}).rollout
+    assert isinstance(episode_engine(_engine(tiny_pair, PROCESSED), Environment(), ro), EpisodeRollout)
