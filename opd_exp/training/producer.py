@@ -81,10 +81,11 @@ class Produced:
 
 
 class Producer:
-    """A process beside the learner that samples the rollout of step m with the weights of update
-    max(0, m - k). The learner draws every prompt (from a copy of its data cursor, running ahead) and
-    sends, in order, its weights after each update and the jobs they allow; the producer answers
-    each job with a ``Produced``. Tensors travel through shared memory (torch.multiprocessing)."""
+    """A process beside the learner (or, given ``engine``, a thread driving that engine) that samples
+    the rollout of step m with the weights of update max(0, m - k). The learner draws every prompt
+    (from a copy of its data cursor, running ahead) and sends, in order, its weights after each update
+    and the jobs they allow; the producer answers each job with a ``Produced``. Tensors travel through
+    shared memory (torch.multiprocessing), or a thread's queues."""
 
     def __init__(self, cfg, student, tokenizer, vocab_size: int, *, engine_spec, plan, cursor: DataCursor, phases, engine=None):
         self.k, self.seed, self.phases = cfg.rollout.staleness, cfg.seed, phases
