@@ -9,8 +9,9 @@ every registered divergence; the project's Objective fed the scores follows exac
 E_S[sum over one-to-one positions of D(S_c || T_c)] (computed here independently, from strings);
 identical tokenizers give today's dense/top-k losses; the bias against the sequence-level
 KL(S || T_canon) is measured; a changed map or tail bucket stops matching. Through the trainer: the
-tiny same-tokenizer pair gives today's losses to 1e-6 relative, and a teacher with its own BPE
-tokenizer trains two steps with full and topk.
+tiny same-tokenizer pair gives today's losses to 1e-6 relative, the scorer on a teacher with its own
+BPE tokenizer returns the teacher's distribution at exactly the one-to-one chunks, and that pair trains
+two steps with full and topk.
 """
 
 from __future__ import annotations
@@ -445,6 +446,49 @@ def test_other_tokenizer_trains_two_steps(tiny_dir, other_teacher, tmp_path, est
     for r in rows:
         assert math.isfinite(r["loss"]) and 0.0 < r["align/one_to_one_rate"] <= 1.0
         assert 0.0 < r["align/shared_vocab_mass"] < 1.0  # the teacher's merges (12, 34, ...) are its tail
+
+
+def test_scores_are_the_teachers_distribution_at_one_to_one_chunks(tiny_dir, other_teacher):
+    """The scorer on a teacher with its own BPE tokenizer: at each one-to-one chunk the teacher's
+    distribution at its own token's position (one unpadded forward of its canonical tokens here), projected
+    on the map; no other position is marked; the pair's map: every character, the pad token, and the
+    student's end pinned to the teacher's <|im_end|>, the teacher's seven merges its tail."""
+    from test_teacher_align import _batch
+    from transformers import AutoTokenizer
+
+    from opd_exp.training.shared_vocab import SharedVocabTeacher
+
+    s_tok = AutoTokenizer.from_pretrained(tiny_dir / "tokenizer")
+    t_tok, t_model = other_teacher
+    scorer = SharedVocabTeacher(t_model, s_tok, t_tok, temperature=1.0, device="cpu")
+    v = scorer.vocab
+    assert v.size == len(s_tok) and int(v.unmapped("teacher").sum()) == 7
+    assert dict(zip(v.student_ids.tolist(), v.teacher_ids.tolist()))[s_tok.eos_token_id] == t_tok.convert_tokens_to_ids("<|im_end|>")
+    prompts, texts = ["3+4=", "9+1=", "5+6="], ["7890", "12+1;", "3;5+"]
+    batch = _batch(s_tok, prompts, texts)
+    out = scorer.score(batch)
+    _, rows = scorer.teacher_rows(batch)
+    end = t_tok.convert_tokens_to_ids("<|im_end|>")
+    marked = 0
+    for i, (prompt, row_text) in enumerate(zip(prompts, texts)):
+        p = t_tok(prompt, add_special_tokens=False)["input_ids"]
+        r = t_tok(row_text, add_special_tokens=False)["input_ids"] + [end]
+        with torch.no_grad():
+            lt = t_model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : -1, : len(t_tok)].float().log_softmax(-1)
+        cols = batch.response_mask[i].nonzero().squeeze(-1).tolist()
+        want = torch.zeros(batch.response_ids.shape[1], dtype=torch.bool)
+        for c in rows[i][1]:
+            if c.one_to_one:
+                col = cols[c.student[0]]
+                want[col] = True
+                sh, tl = project_teacher(lt[c.teacher[0]], v)
+                got = torch.cat([out.shared[i, col], out.tail[i, col, None]]).log_softmax(-1)
+                torch.testing.assert_close(got, torch.cat([sh, tl[None]]).log_softmax(-1), rtol=1e-5, atol=1e-5)
+        assert torch.equal(out.one_to_one[i], want)
+        marked += int(want.sum())
+    assert marked == 1 + 2 + 5  # 78|90|end: the end; 12|+1|;|end: ';' and the end; 3|;|5|+|end: all five
+    mass = scorer.metrics()["align/shared_vocab_mass"]
+    assert 0.0 < mass < 1.0
 
 
 @pytest.mark.parametrize(
