@@ -229,6 +229,26 @@ def test_labels_come_from_the_config_not_the_folder_or_option_name(tmp_path):
     assert divergence_label({"beta": 0.5}) is None
 
 
+def test_a_reward_only_run_is_not_named_by_its_eval_divergence(tmp_path):
+    from helpers.synthetic_runs import metrics_rows, write_run
+
+    for job, coef in enumerate((1.0, 0.0)):
+        run = write_run(tmp_path / "g" / str(job), [f"loss.kl_coef={coef}", "seed=0"], metrics_rows(0.5, 0.02, 0))
+        cfg = {"seed": 0, "divergence": {"name": "fkl"}, "loss": {"kl_coef": coef}}
+        (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(cfg))
+    labels = paper_labels(group_by_variant(load_runs(tmp_path / "g")))
+    assert list(labels.values()) == ["forward KL, kl_coef=1.0", "reward-only RL, kl_coef=0.0"]
+
+
+def test_axis_units_rates_are_shares_divergences_nats():
+    from opd_exp.analysis.labels import y_label
+
+    assert y_label("eval/tools/result_used_rate") == "tools/result_used_rate (share)"
+    assert y_label("eval/tools/calls_mean") == "tools/calls_mean"
+    assert y_label("eval/kl_reverse") == "KL(S‖T) (nats)"
+    assert y_label("eval/accuracy") == "accuracy (share of problems)"
+
+
 def test_a_grid_keeps_what_else_a_variant_overrides_in_its_label(tmp_path):
     from helpers.synthetic_runs import metrics_rows, write_run
 

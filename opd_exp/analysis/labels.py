@@ -35,6 +35,10 @@ def y_label(metric: str) -> str:
     name = metric_label(metric).removeprefix("eval: ").removeprefix("eval ").removeprefix("train ")
     if metric.endswith(("accuracy", "precision", "coverage", "pass@k")):
         return f"{name} (share of problems)"
+    if metric.endswith("_rate"):  # tools/valid_rate, align/one_to_one_rate: shares, not nats
+        return f"{name} (share)"
+    if metric.startswith(("eval/tools/", "eval/episode/")):  # counts per episode
+        return name
     if metric == OWN or metric.startswith(("eval/", "jsd/", "kl/", "exact/")) or metric.endswith("entropy"):
         return f"{name} (nats)"
     return name
@@ -152,8 +156,20 @@ def _split_variant(variant: str) -> tuple[str, list[str]]:
     return (f"{head}: " if sep else ""), items
 
 
+def trains_divergence(run: Run) -> bool:
+    """False for reward-only RL (``loss.kl_coef=0``): its divergence group only names what eval
+    measures, not what it trains, so it must not name the run."""
+    loss = run.config.get("loss") if isinstance(run.config, Mapping) else None
+    coef = loss.get("kl_coef") if isinstance(loss, Mapping) else run.overrides.get("loss.kl_coef")
+    try:
+        return coef is None or float(coef) != 0.0
+    except (TypeError, ValueError):
+        return True
+
+
 def paper_labels(groups: Mapping[str, Sequence[Run]]) -> dict[str, str]:
-    """{variant: its label in a paper's words}: the divergence from the config (``JSD β=0.5``),
+    """{variant: its label in a paper's words}: the divergence from the config (``JSD β=0.5``;
+    ``reward-only RL`` where the loss has no distillation term),
     then what else the variant overrides (``reverse KL, on-policy=0.5``); the option that
     picked the divergence (``variant=jsd_0.5``) is left out unless it is all that tells two
     variants apart. A variant named by a folder label alone keeps it (``base``); one whose
@@ -164,6 +180,8 @@ def paper_labels(groups: Mapping[str, Sequence[Run]]) -> dict[str, str]:
         if not items and head == "" and variant != "default":
             return variant  # a folder's own label
         div = divergence_label(run_divergence(rs[0])) if rs else None
+        if div is not None and not trains_divergence(rs[0]):
+            div = "reward-only RL"
         if div is None:
             return short_label(variant)
         rest = [i for i in items if not i.startswith("divergence") and (keep_variant_key or not i.startswith("variant="))]
