@@ -188,9 +188,8 @@ class Counting(Echo):
 def test_eval_logs_the_environments_metrics_over_every_greedy_episode(tiny_pair):
     """eval/tools/*: the environment's metrics over the eval set's greedy episodes, all batches together
     (equal to its metrics on the same episodes sampled in one call)."""
-    from opd_exp.training.evaluate import Evaluator
-
     from opd_exp.tasks.base import Problem
+    from opd_exp.training.evaluate import Evaluator
 
     env, task = Counting(limit=3), AddTask()
     # prompts ending at a stop (greedy, the tiny models repeat the last character) and at none
