@@ -3,7 +3,8 @@ byte-aligned path got wrong before:
 
 - served (a stand-in server here; marked ``vllm``: a real ``opd-serve-teacher`` vLLM process) gives the
   in-process ``teacher.align=bytes`` losses to 1e-6 relative on a tiny cross-tokenizer pair; a server
-  with another tokenizer than the teacher's own is refused in one line; routed teachers are refused;
+  with another tokenizer than the teacher's own is refused in one line; routed teachers are allowed
+  (tests/test_routed_align.py) except on the shared vocabulary;
 - ``eval/teacher_accuracy`` asks the teacher in its own tokens and chat template (it was given the
   student's ids);
 - ``perf/teacher_s`` counts the byte-aligned teacher (it was 0);
@@ -148,20 +149,20 @@ def test_a_server_with_another_tokenizer_than_the_teachers_is_one_line(cross, tm
     assert server.completions == 0
 
 
-def test_routed_teachers_with_another_tokenizer_are_refused():
+def test_routed_teachers_with_another_tokenizer_are_refused_only_on_the_shared_vocabulary():
+    """Routed byte-aligned teachers are allowed (tests/test_routed_align.py); their shared-vocabulary payloads are not."""
+    from opd_exp.config.teacher import validate_teacher
     from opd_exp.config.teachers import TeachersConfig, TeacherSource
 
     cfg = small_config(**GROUPS)
     teachers = TeachersConfig(
         map={"a": TeacherSource(path="/models/a"), "b": TeacherSource(path="/models/b", covers=["+"])}, route="operator"
     )
+    validate_teacher(dataclasses.replace(cfg, teacher=TeacherConfig(align="bytes"), teachers=teachers))
     with pytest.raises(ConfigError) as err:
-        from opd_exp.config.teacher import validate_teacher
-
-        validate_teacher(dataclasses.replace(cfg, teacher=TeacherConfig(align="bytes"), teachers=teachers))
-    assert str(err.value).startswith(
-        "teachers.map='(set)' is not allowed; allowed: none with teacher.align=bytes (one teacher with its own"
-    )
+        validate_teacher(dataclasses.replace(cfg, teacher=TeacherConfig(align="bytes", align_vocab="shared"), teachers=teachers))
+    line = str(err.value)
+    assert "\n" not in line and line.startswith("teacher.align_vocab='shared' is not allowed; allowed: none with teachers.map")
 
 
 # -- the bugs -------------------------------------------------------------------------------------

@@ -233,12 +233,12 @@ def validate_align(cfg) -> None:
     te, why = cfg.teacher, "with teacher.align=bytes"
     if te.name.value not in ("in_process", "served"):
         _fail("teacher.name", te.name.value, f"in_process or served {why} (a student-made teacher has the student's tokenizer)")
-    if cfg.teachers.active:
-        # a map's teachers share the pair's tokenizer (pairs/teacher_map.py) and its routed payloads are merged per row
+    if cfg.teachers.active and te.align_vocab == "shared":
+        # each teacher's shared vocabulary has its own size: its payloads cannot be laid row by row in one tensor
         _fail(
-            "teachers.map",
-            "(set)",
-            f"none {why} (one teacher with its own tokenizer, in_process or served; routed teachers share the pair's)",
+            "teacher.align_vocab",
+            te.align_vocab,
+            "none with teachers.map (routed teachers each give the chunk payload on the student's tokens), or one teacher",
         )
     if te.align_vocab == "shared":
         return validate_shared_vocab(cfg)

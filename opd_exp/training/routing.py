@@ -4,8 +4,10 @@
 batch's ``route`` (one teacher index per row). ``TeacherMap`` is a ``TeacherScorer`` over one
 scorer per teacher: each scores the rows routed to it, and their scores are laid back in row
 order. A batch whose rows all go to one teacher goes to it whole, so one teacher through the map
-scores exactly as that teacher alone. The scores carry the rows' routes (``RoutedScores``), from
-which ``RoutedMonitors`` adds per-teacher sums beside the step's monitors; ``teacher_metrics``
+scores exactly as that teacher alone. With ``teacher.align=bytes`` each teacher is a byte-aligned
+scorer over its own tokenizer whose sampled-only chunk payload sits on the student's positions, so
+rows merge the same way (``align/*`` pooled over every teacher's chunks). The scores carry the
+rows' routes (``RoutedScores``), from which ``RoutedMonitors`` adds per-teacher sums beside the step's monitors; ``teacher_metrics``
 turns them into ``teacher/<name>/token_share`` (share of the step's response tokens) and
 ``teacher/<name>/{jsd,kl_reverse,kl_forward}`` (the step's ``jsd/mean``, ``kl/reverse``,
 ``kl/forward`` estimates over that teacher's tokens: sum_k share_k * value_k is the global one).
@@ -25,6 +27,7 @@ from opd_exp.training.monitors import Monitors, Readings
 from opd_exp.training.ppo import select_rows
 from opd_exp.training.rollout import Batch
 from opd_exp.training.scoring import Pending, TeacherScorer, TeacherScores
+from opd_exp.training.teacher_align import ByteAlignedTeacher, align_metrics
 
 # a step's per-token estimate -> its per-teacher name, and the exact value a teacher-sampled step logs under it
 PER_TEACHER = {
@@ -183,7 +186,11 @@ class TeacherMap(TeacherScorer):
             s.load_state_dict({k[len(name) + 1 :]: v for k, v in state.items() if k.startswith(f"{name}.")})
 
     def metrics(self) -> dict[str, float]:
-        return {k: v for s in self.scorers for k, v in s.metrics().items()}
+        aligned = [s for s in self.scorers if isinstance(s, ByteAlignedTeacher)]
+        out = {k: v for s in self.scorers if s not in aligned for k, v in s.metrics().items()}
+        if aligned:  # byte-aligned teachers' chunk counts pooled: one align/* over every teacher's rows
+            out.update(align_metrics([sum(c) for c in zip(*(s.counts() for s in aligned))]))
+        return out
 
 
 class RoutedMonitors(Monitors):

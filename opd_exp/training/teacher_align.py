@@ -231,12 +231,21 @@ class ByteAlignedTeacher(TeacherScorer):
     def close(self) -> None:
         self.scorer.close()
 
+    def counts(self) -> list[int]:
+        """The step's alignment counts (chunks, student tokens in them, one-to-one chunks, rows), reset on reading."""
+        out, self._counts = self._counts, [0, 0, 0, 0]
+        return out
+
     def metrics(self) -> dict[str, float]:
-        chunks, tokens, one, _rows = self._counts
-        self._counts = [0, 0, 0, 0]
-        if not chunks:
-            return {}
-        return {"align/chunk_tokens_mean": tokens / chunks, "align/one_to_one_rate": one / chunks}
+        return align_metrics(self.counts())
+
+
+def align_metrics(counts: Sequence[int]) -> dict[str, float]:
+    """``align/*`` from ``ByteAlignedTeacher.counts`` (summed over routed teachers: one value over all rows)."""
+    chunks, tokens, one, _rows = counts
+    if not chunks:
+        return {}
+    return {"align/chunk_tokens_mean": tokens / chunks, "align/one_to_one_rate": one / chunks}
 
 
 def build_byte_aligned(ctx, teacher: TeacherScorer | None = None) -> ByteAlignedTeacher:

@@ -6,8 +6,10 @@ batch's routes, the monitors, a step's metrics, the teachers' eval accuracy, and
 records of them. Without a map every call is what the trainer did before the map existed.
 
 A map's teacher comes from a conf/model_pair option (``pair``: its teacher, prepared with that
-option's recipe and task) or from ``path`` (as ``model_pair.teacher`` takes it); it must share the
-pair's tokenizer. A teacher whose folder is the pair's own teacher is that loaded module (not a
+option's recipe and task) or from ``path`` (as ``model_pair.teacher`` takes it); it shares the
+pair's tokenizer, or with ``teacher.align=bytes`` keeps its own (each teacher's rows rendered for its
+own tokenizer and scored on its own tokens; the chunk payloads, all on the student's positions, are
+laid back row by row). A teacher whose folder is the pair's own teacher is that loaded module (not a
 second copy). Its content (SHA-256 of the folder's files; a hub id by its id) goes into the run's
 fingerprint under ``teachers.loaded.<name>`` and the run record's ``teachers``: a resume with
 another teacher set is refused, naming the key.
@@ -28,13 +30,16 @@ from opd_exp.training.teachers import build_teacher_scorer
 
 
 class TeacherSet:
-    def __init__(self, cfg, models: list, *, device, names: Sequence[str] = (), router: Router | None = None, records=None):
+    def __init__(
+        self, cfg, models: list, *, device, names: Sequence[str] = (), router: Router | None = None, records=None, tokenizers=None
+    ):
         self.cfg, self.models, self.device = cfg, models, device
         self.names, self.router = tuple(names), router  # empty names, no router: the pair's one teacher
         self.records: dict[str, dict[str, Any]] = records or {}
         self.scorers: list = []
         self._engines: dict[int, Any] = {}
         self.teacher_tokenizer = None  # the pair's teacher's own tokenizer, where it has one (teacher.align=bytes)
+        self.tokenizers: list = list(tokenizers or [None] * len(models))  # each map teacher's own (teacher.align=bytes), else None
 
     @classmethod
     def load(cls, cfg, pair, device, splits: dict[str, Sequence[Any]], load=None, *, student=None) -> tuple[Any, TeacherSet]:
@@ -57,13 +62,15 @@ class TeacherSet:
             raise ValueError("TeacherSet.load: teachers.map is set but no loader was given (pairs.teacher_map.load_map_teacher)")
         router = Router(cfg.teachers)
         counts = router.check(splits)  # one line for a problem no teacher takes, before any loads
-        models, records = [], {}
+        models, records, tokenizers = [], {}, []
         for k, (name, src) in enumerate(cfg.teachers.map.items()):
             key = f"teachers.map.{name}"
-            model, records[name] = load(key, src, cfg, pair)
+            model, records[name], tokenizer = load(key, src, cfg, pair)
             models.append(prec.prepare_teacher(model, sc, device))
+            tokenizers.append(tokenizer)
             records[name].update(covers=list(src.covers), prompts={split: n[k] for split, n in counts.items()})
-        return models[0], cls(cfg, models, device=device, names=tuple(cfg.teachers.map), router=router, records=records)
+        names = tuple(cfg.teachers.map)
+        return models[0], cls(cfg, models, device=device, names=names, router=router, records=records, tokenizers=tokenizers)
 
     @property
     def active(self) -> bool:
@@ -76,7 +83,8 @@ class TeacherSet:
         if not self.active:
             return build_teacher_scorer(self.cfg, self.models[0], tokenizer, vocab_size, teacher_tokenizer=self.teacher_tokenizer, **kw)
         self.scorers = [
-            build_teacher_scorer(self._entry_config(n), m, tokenizer, vocab_size, **kw) for n, m in zip(self.names, self.models)
+            build_teacher_scorer(self._entry_config(n), m, tokenizer, vocab_size, teacher_tokenizer=t, **kw)
+            for n, m, t in zip(self.names, self.models, self.tokenizers)
         ]
         return TeacherMap(self.names, self.scorers)
 
@@ -94,11 +102,12 @@ class TeacherSet:
         return batch if self.router is None else self.router.attach(batch, problems)
 
     def monitors(self, cfg, objective) -> Monitors:
+        # a teacher with its own tokenizer has no distribution over the student's vocabulary to monitor
+        # (the shared-vocabulary path's is the student's own outside one-to-one chunks)
+        sparse = objective.sparse or cfg.teacher.align == "bytes"
         if not self.active:
-            # a teacher with its own tokenizer has no distribution over the student's vocabulary to monitor
-            # (the shared-vocabulary path's is the student's own outside one-to-one chunks)
-            return Monitors(cfg, sparse=objective.sparse or cfg.teacher.align == "bytes")
-        return RoutedMonitors(cfg, self.names, objective, sparse=objective.sparse)
+            return Monitors(cfg, sparse=sparse)
+        return RoutedMonitors(cfg, self.names, objective, sparse=sparse)
 
     def metrics(self, tally: Tally, n_tokens: int) -> dict[str, float]:
         """A step's metrics from its ``Tally``; with a map, each teacher's too."""
@@ -110,26 +119,33 @@ class TeacherSet:
         teachers each one on its own prompts (``eval/teacher/<name>/teacher_accuracy``), and the
         global one over all prompts, each answered by its teacher."""
         if not self.active or len(self.models) == 1:
-            acc = self._own_tokenizer_accuracy(evaluator) if self._own_tokenizer() else evaluator.accuracy(engine)
+            own = self._own_tokenizer(0)
+            acc = self._own_tokenizer_accuracy(evaluator, 0, evaluator.problems) if own else evaluator.accuracy(engine)
             return {"eval/teacher_accuracy": acc, **{f"eval/teacher/{n}/teacher_accuracy": acc for n in self.names}}
         groups: dict[int, list] = {}
         for p in evaluator.problems:
             groups.setdefault(self.router.of(p), []).append(p)
         out, correct = {}, 0
         for k, problems in sorted(groups.items()):
-            acc = evaluator.accuracy(self._engine(k), problems)
+            own = self._own_tokenizer(k)
+            acc = self._own_tokenizer_accuracy(evaluator, k, problems) if own else evaluator.accuracy(self._engine(k), problems)
             out[f"eval/teacher/{self.names[k]}/teacher_accuracy"] = acc
             correct += round(acc * len(problems))
         return {"eval/teacher_accuracy": correct / max(len(evaluator.problems), 1), **out}
 
-    def _own_tokenizer(self) -> bool:
-        """The pair's teacher has a tokenizer of its own, not the student's (teacher.align=bytes)."""
+    def _tokenizer(self, k: int):
+        """Teacher ``k``'s own tokenizer (teacher.align=bytes), None: the pair's."""
+        return self.tokenizers[k] if self.active else self.teacher_tokenizer
+
+    def _own_tokenizer(self, k: int) -> bool:
+        """Teacher ``k`` has a tokenizer of its own, not the student's (teacher.align=bytes)."""
         from opd_exp.training.teacher_align import same_tokenizer
 
-        return self.teacher_tokenizer is not None and not same_tokenizer(self._engine_args[0], self.teacher_tokenizer)
+        tok = self._tokenizer(k)
+        return tok is not None and not same_tokenizer(self._engine_args[0], tok)
 
-    def _own_tokenizer_accuracy(self, evaluator) -> float:
-        """The teacher's greedy accuracy on the eval problems asked its own way: the task's prompt rendered
+    def _own_tokenizer_accuracy(self, evaluator, k: int, problems) -> float:
+        """Teacher ``k``'s greedy accuracy on ``problems`` asked its own way: the task's prompt rendered
         with the teacher's tokenizer and chat template (its BOS first where its tokenizer prepends one),
         generated and decoded in the teacher's ids."""
         from opd_exp.tasks.environment import build_environment
@@ -137,17 +153,17 @@ class TeacherSet:
         from opd_exp.training.evaluate import greedy_batches
         from opd_exp.training.rollout import decode_responses
 
-        tok, autocast = self.teacher_tokenizer, self._engine_args[2]
-        engine = in_process_engine(self.cfg, self.models[0], tok, len(tok), source="teacher", autocast=autocast)
+        tok, autocast = self._tokenizer(k), self._engine_args[2]
+        engine = in_process_engine(self.cfg, self.models[k], tok, len(tok), source="teacher", autocast=autocast)
         env = build_environment(self.cfg.task)
         if env is not None:
             from opd_exp.training.episodes import episode_engine
 
             engine = episode_engine(engine, env, self.cfg.rollout)
         task, correct = evaluator.task, 0
-        for chunk, batch in greedy_batches(engine, tok, OwnPrompts(task), evaluator.problems, evaluator.batch_size):
+        for chunk, batch in greedy_batches(engine, tok, OwnPrompts(task), problems, evaluator.batch_size):
             correct += sum(bool(task.verify(t, p.answer)) for t, p in zip(decode_responses(tok, batch), chunk))
-        return correct / max(len(evaluator.problems), 1)
+        return correct / max(len(problems), 1)
 
     def _engine(self, k: int):
         if k not in self._engines:
