@@ -22,6 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from helpers import golden
 from helpers.fake_vllm import FakeVllm
 from helpers.tiny import CHARS, AddTask, build_model, small_config
 from opd_exp.config.schema import TeacherConfig
@@ -40,15 +41,16 @@ MERGES = [("1", "2"), ("3", "4"), ("5", "6"), ("7", "8"), ("9", "0"), ("1", "0")
 
 def teacher_tokenizer(folder, *, bos: bool = False):
     """Another tokenizer than the tiny student's: BPE over the same characters in another id order, with
-    merges, a ChatML-like end of turn and chat template; ``bos``: a ``<s>`` its tokenizer prepends (as
-    Gemma's and Llama's do) and its template writes."""
-    from tokenizers import Tokenizer, models, processors
+    merges, a decoder that joins its pieces, a ChatML-like end of turn and chat template; ``bos``: a ``<s>``
+    its tokenizer prepends (as Gemma's and Llama's do) and its template writes."""
+    from tokenizers import Tokenizer, decoders, models, processors
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     pieces = [*reversed(CHARS), *("".join(m) for m in MERGES)]
     specials = ["<|im_end|>", "<pad>", *(["<s>"] if bos else [])]
     vocab = {**{s: i for i, s in enumerate(specials)}, **{p: i + len(specials) for i, p in enumerate(pieces)}}
     tok = Tokenizer(models.BPE(vocab, MERGES))
+    tok.decoder = decoders.Fuse()  # '78', '90' decode to '7890' (no decoder: '78 90')
     extra = {}
     if bos:
         tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", vocab["<s>"])])
@@ -59,22 +61,59 @@ def teacher_tokenizer(folder, *, bos: bool = False):
     return AutoTokenizer.from_pretrained(folder)
 
 
+def teacher_model(folder, vocab_size: int, seed: int):
+    """A tiny Llama beside the teacher's tokenizer (beside a qwen2 config.json, AutoTokenizer would load
+    Qwen2's class, with its own digit-splitting pre-tokenizer and an added ``<|endoftext|>``, not the BPE
+    saved there); head size 32, which a CPU vLLM supports."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=False, eos_token_id=0, pad_token_id=1,
+        bos_token_id=None,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+
+
+def assert_own_bpe(t_tok, rows: int):
+    """The teacher folder's tokenizer is the fixture's BPE, merges included, with one token per output row."""
+    assert t_tok.tokenize("7890+12") == ["78", "90", "+", "12"], type(t_tok).__name__
+    assert t_tok("78", add_special_tokens=False)["input_ids"] == [t_tok.convert_tokens_to_ids("78")]
+    assert len(t_tok) == rows == len(CHARS) + len(MERGES) + 2
+    assert t_tok.decode(t_tok("7890+12", add_special_tokens=False)["input_ids"]) == "7890+12"
+
+
 @pytest.fixture(scope="module")
 def cross(tmp_path_factory):
-    """The tiny student's folder and a teacher folder with its own tokenizer, exactly as many output rows
-    as tokens (a server normalises over every row), and a head size a CPU vLLM supports."""
-    from transformers import AutoTokenizer
+    """The tiny student's folder and a teacher folder with its own tokenizer (a BPE with merges: '7890' is
+    78|90), exactly as many output rows as tokens (a server normalises over every row), and a head size a
+    CPU vLLM supports."""
+    from transformers import AutoConfig, AutoTokenizer
 
     from helpers.tiny import build_tokenizer
 
     root = tmp_path_factory.mktemp("cross")
     s_tok = build_tokenizer(root / "student")
     build_model(root / "student", len(s_tok), hidden=32, layers=1, seed=1)
-    t_tok = teacher_tokenizer(root / "teacher")
-    build_model(root / "teacher", len(t_tok), hidden=64, layers=2, seed=5)
-    return SimpleNamespace(
-        root=root, student=root / "student", teacher=root / "teacher", s_tok=s_tok, t_tok=AutoTokenizer.from_pretrained(root / "teacher")
-    )
+    teacher_model(root / "teacher", len(teacher_tokenizer(root / "teacher")), seed=5)
+    t_tok = AutoTokenizer.from_pretrained(root / "teacher")  # as the pair loader and the server load it
+    assert_own_bpe(t_tok, AutoConfig.from_pretrained(root / "teacher").vocab_size)
+    return SimpleNamespace(root=root, student=root / "student", teacher=root / "teacher", s_tok=s_tok, t_tok=t_tok)
+
+
+def test_the_teacher_folder_reloads_its_own_bpe_tokenizer(cross):
+    """What makes the pair cross-tokenizer beyond a reordered vocabulary: the reloaded teacher tokenizer
+    merges ('7890' is 78|90, '12' one token), and its size is the teacher model's rows."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t_tok = AutoTokenizer.from_pretrained(cross.teacher)
+    rows = AutoModelForCausalLM.from_pretrained(cross.teacher).get_output_embeddings().weight.shape[0]
+    assert_own_bpe(t_tok, rows)
+    assert_own_bpe(cross.t_tok, rows)
+    s = cross.s_tok("7890+12", add_special_tokens=False)["input_ids"]
+    t = t_tok("7890+12", add_special_tokens=False)["input_ids"]
+    assert len(s) == 7 and len(t) == 4
 
 
 def load_pair(cross):
@@ -121,18 +160,67 @@ def assert_same_losses(a, b, rel):
 
 def test_served_cross_tokenizer_teacher_gives_the_in_process_losses(cross, tmp_path):
     """The stand-in server scores the teacher's own ids with the teacher (its tokenizer the teacher's):
-    per-step losses equal the in-process align=bytes run's to 1e-6 relative; the run records the server."""
-    local = steps(run(tmp_path / "local", load_pair(cross)))
-    pair = load_pair(cross)
-    server = FakeVllm(pair.teacher, cross.t_tok, len(cross.t_tok))
-    try:
-        rows = run(tmp_path / "served", pair, **served(server.url))
-    finally:
-        server.stop()
+    per-step losses equal the in-process align=bytes run's to 1e-6 relative; the run records the server.
+    Float64 (the scorer still rounds the teacher's logits to float32): in float32 the server's unpadded
+    rows and the in-process padded batch differ by ~2e-7 nats a token (the self-test's in_process line),
+    ~1e-6 relative on kl/reverse; in float64 only a float32 rounding flips now and then (~1e-7)."""
+    with golden.float64():
+        local = steps(run(tmp_path / "local", load_pair(cross)))
+        pair = load_pair(cross)
+        server = FakeVllm(pair.teacher, cross.t_tok, len(cross.t_tok))
+        try:
+            rows = run(tmp_path / "served", pair, **served(server.url))
+        finally:
+            server.stop()
     assert_same_losses(local, steps(rows), rel=1e-6)
+    assert any(r["align/chunk_tokens_mean"] > 1 for r in local)  # some sampled text has a merge ('12', '78', ...)
     assert server.completions > 3  # the self-test's, then the steps' requests
     state = json.loads(next((tmp_path / "served").glob("checkpoints/step_*/state.json")).read_text())
     assert state["config"]["teacher.server.k"] == 1  # the actual token's log-prob is all it needs
+
+
+def batch_of(s_tok, prompts, responses):
+    """Left-padded prompts and the student's (one character a token) ids of each response, ended by its EOS."""
+    from opd_exp.training.batch import Batch
+    from opd_exp.training.rollout import encode_prompts
+
+    ids, mask = encode_prompts(s_tok, prompts, 8)
+    eos = s_tok.eos_token_id
+    rows = [s_tok(r, add_special_tokens=False)["input_ids"] + [eos] for r in responses]
+    resp = torch.full((len(rows), max(map(len, rows))), s_tok.pad_token_id, dtype=torch.long)
+    for i, r in enumerate(rows):
+        resp[i, : len(r)] = torch.tensor(r)
+    return Batch.from_responses(ids, mask, resp, [eos], lengths=torch.tensor([len(r) for r in rows]))
+
+
+def test_served_payload_with_merged_chunks_is_the_in_process_payload(cross):
+    """Responses the teacher merges ('7890' is 78|90: chunks of two student tokens, '+12' two teacher tokens
+    over three student ones): the served scorer's chunk payload is the in-process one's (float64 models; the
+    float32 payload differs by a rounding at most)."""
+    from opd_exp.training.teachers import build_teacher_scorer
+
+    prompts, texts = ["3+4=", "12+1=", "5+6=", "7+8="], ["7890", "13+12", "1", "56 78;"]
+    quiet = dict(device="cpu", warn=lambda _line: None, teacher_tokenizer=cross.t_tok)
+    with golden.float64():
+        pair = load_pair(cross)
+        pair.teacher.double().eval()
+        batch = batch_of(cross.s_tok, prompts, texts)
+        local = build_teacher_scorer(
+            small_config(**GROUPS, teacher=dict(align="bytes")), pair.teacher, cross.s_tok, len(cross.s_tok), **quiet
+        )
+        want = local.score(batch).sampled_logprobs
+        counts = local.counts()
+        server = FakeVllm(pair.teacher, cross.t_tok, len(cross.t_tok))
+        try:
+            cfg = small_config(**GROUPS, teacher=dict(align="bytes", **served(server.url)))
+            scorer = build_teacher_scorer(cfg, pair.teacher, cross.s_tok, len(cross.s_tok), **quiet)
+            got = scorer.score(batch).sampled_logprobs
+            scorer.close()
+        finally:
+            server.stop()
+    chunks, tokens, one_to_one, _rows = counts
+    assert tokens > chunks and one_to_one < chunks  # merged chunks were scored
+    assert (want != 0).any() and torch.allclose(got, want, rtol=1e-6, atol=1e-9)
 
 
 def test_a_server_with_another_tokenizer_than_the_teachers_is_one_line(cross, tmp_path):
