@@ -59,3 +59,39 @@ def test_payload_sums_to_the_chunk_costs():
     assert float(cost[:2].sum()) == float(s[:2].sum() - tlp[0]) and float(cost[2:].sum()) == float(s[2:].sum() - tlp[1:].sum())
     with pytest.raises(ValueError, match="placement='token' is not allowed; allowed: sequence, chunk"):
         chunk_teacher_logprobs(tlp, chunks, 4, "token")
+
+
+PIECES = {0: b"ab", 1: b"\xf0\x9f", 2: b"\x98"}  # 1, 2: the first three bytes of a four-byte emoji
+
+
+class _BytesTokenizer:
+    """A student tokenizer whose tokens are raw bytes, decoded with replacement like a byte-level BPE."""
+
+    def decode(self, ids, **_):
+        return b"".join(PIECES[i] for i in ids).decode("utf-8", errors="replace")
+
+
+def test_a_cut_character_whose_last_piece_adds_no_bytes_joins_the_chunk_before_it():
+    """A row cut inside a multi-byte character: its last token decodes to nothing new (the
+    replacement character is already there), an empty span after the teacher's last token. It
+    joins the chunk before it instead of stopping the run (seen on gemma_smollm2 at step ~35)."""
+    from opd_exp.training.teacher_align import fold_byteless_tail, student_boundaries, unfold_tail
+
+    text, starts = student_boundaries(_BytesTokenizer(), [0, 1, 2])
+    total = len(text.encode("utf-8"))
+    assert (text, starts, total) == ("ab\ufffd", [0, 2, 5], 5)
+    spans = spans_from_boundaries(starts, total)
+    teacher = [(0, 1), (1, 5)]  # "a", "b\ufffd"
+    with pytest.raises(ValueError, match="end of turn on one side only"):
+        align_chunks(spans, teacher)  # what the scorer did before
+    folded, k = fold_byteless_tail(spans, total)
+    assert (folded, k) == ([(0, 2), (2, 5)], 1)
+    chunks = unfold_tail(align_chunks(folded, teacher), len(starts) - k, k)
+    assert chunks == [Chunk((0, 3), (0, 2), (0, 5))]  # every student token in a chunk, once
+    # the row ended: both ends of turn still align, one chunk after the folded token
+    ended = unfold_tail(align_chunks([*folded, (5, 5)], [*teacher, (5, 5)]), len(starts) - k, k)
+    assert ended == [Chunk((0, 3), (0, 2), (0, 5)), Chunk((3, 4), (2, 3), (5, 5))]
+    logprobs = torch.tensor([-1.0, -2.0, -0.5])
+    assert chunk_teacher_logprobs(logprobs, ended, 4, placement="chunk").tolist() == [0.0, 0.0, -3.0, -0.5]
+    assert chunk_teacher_logprobs(logprobs, ended, 4).sum().item() == -3.5  # log T_canon of the row
+    assert fold_byteless_tail([(0, 0)], 0) == ([(0, 0)], 0)  # a row keeps its first token

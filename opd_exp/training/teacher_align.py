@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from opd_exp.divergences.chunks import align_chunks, alignment_counts, chunk_teacher_logprobs, spans_from_boundaries
+from opd_exp.divergences.chunks import Chunk, align_chunks, alignment_counts, chunk_teacher_logprobs, spans_from_boundaries
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.batch import Batch
 from opd_exp.training.scoring import InProcessTeacher, Pending, TeacherScorer, TeacherScores
@@ -81,6 +81,35 @@ def student_boundaries(tokenizer, ids: Sequence[int]) -> tuple[str, list[int]]:
                 at = len(prefix)
         starts.append(at)
     return text, starts
+
+
+def fold_byteless_tail(spans: list[tuple[int, int]], total: int) -> tuple[list[tuple[int, int]], int]:
+    """The student's last tokens that add no bytes of their own (a cut multi-byte character whose
+    last pieces decode to the replacement character already written): (the spans without them,
+    how many). They belong to the chunk before them, which ``unfold_tail`` gives them back to; the
+    first token always stays, so a row keeps a chunk."""
+    k = 0
+    while len(spans) - k > 1 and spans[-1 - k] == (total, total):
+        k += 1
+    return (spans[: len(spans) - k] if k else spans), k
+
+
+def unfold_tail(chunks: list[Chunk], at: int, k: int) -> list[Chunk]:
+    """``align_chunks``' chunks with the ``k`` folded student tokens put back at index ``at``: in the
+    chunk that ends there (their log-probs join its student side; its teacher side is unchanged)
+    and every later chunk (the end of turn) moved on by ``k``."""
+    if not k:
+        return chunks
+    out = []
+    for c in chunks:
+        (a, b) = c.student
+        if b == at and a < at:
+            out.append(Chunk((a, b + k), c.teacher, c.bytes))
+        elif a >= at:
+            out.append(Chunk((a + k, b + k), c.teacher, c.bytes))
+        else:
+            out.append(c)
+    return out
 
 
 def teacher_tokens(tokenizer, text: str) -> tuple[list[int], list[int]]:
@@ -162,9 +191,10 @@ class ByteAlignedTeacher(TeacherScorer):
             t_ids, t_starts = teacher_tokens(self.teacher_tok, text)
             total = len(text.encode("utf-8"))
             s_spans, t_spans = spans_from_boundaries(s_starts, total), spans_from_boundaries(t_starts, total)
+            s_spans, tail = fold_byteless_tail(s_spans, total)
             if ended:  # each side's end of turn: an empty span at the end
                 s_spans, t_spans, t_ids = [*s_spans, (total, total)], [*t_spans, (total, total)], [*t_ids, self.teacher_end]
-            rows.append((len(ids), align_chunks(s_spans, t_spans)))
+            rows.append((len(ids), unfold_tail(align_chunks(s_spans, t_spans), len(body) - tail, tail)))
             responses.append(t_ids)
         device = batch.input_ids.device
         Pt, Rt = max(1, max(map(len, prompts))), max(1, max(map(len, responses)))
