@@ -99,9 +99,16 @@ def eval_divergence(cfg, task, pair, student, samples: int) -> dict:
         "log_t_per_token": float(log_t.sum() / tokens.sum()),
         "per_row": diff.tolist(),
         "row_tokens": tokens.tolist(),
+        # the first sample of each prompt, as the student wrote it (what the numbers are about)
+        "texts": [decode_row(pair.tokenizer, batch, i * samples) for i in range(len(prompts))],
         "teacher_score_s": round(teacher_s, 2),
         **align,
     }
+
+
+def decode_row(tokenizer, batch, i: int) -> str:
+    ids = batch.response_ids[i][batch.response_mask[i].bool()].tolist()
+    return tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def paired(before: dict, after: dict) -> dict:

@@ -10,6 +10,7 @@ per-sequence gradient's variance is lower than without it.
 from __future__ import annotations
 
 import itertools
+import math
 
 import pytest
 import torch
@@ -107,7 +108,7 @@ def test_baselined_expected_gradient_is_exact_and_its_variance_lower(div):
     want = exact_gradient(div, z, zt, "token")
     assert want.abs().max() > 1e-2  # not a vacuous 0 == 0
     variances = {}
-    for kind in Baseline:
+    for kind in (Baseline.none, Baseline.exact, Baseline.topk):  # one row each; loo needs a prompt's samples (below)
         mean, variances[kind.value] = moments(*per_sequence_gradients(objective(div, kind), z, zt))
         torch.testing.assert_close(mean, want, rtol=1e-10, atol=1e-12)
     assert variances == pytest.approx(VARIANCE[div], rel=1e-6)
@@ -247,6 +248,47 @@ def test_a_served_teacher_refuses_the_exact_baseline():
         Objective(cfg, teacher_k=4, vocab_size=50)
 
 
+def test_the_leave_one_out_baseline_needs_groups_in_one_micro_batch():
+    with pytest.raises(ConfigError) as ex:
+        small_config(estimator={"name": "sampled", "baseline": "loo"}, loss={"name": "reinforce"}, divergence={"name": "rkl"})
+    assert str(ex.value) == (
+        "estimator.baseline='loo' is not allowed; allowed: none | exact | topk with rollout.n_samples=1 (leave-one-out needs "
+        ">= 2 samples of each prompt)"
+    )
+    with pytest.raises(ConfigError) as ex:
+        small_config(
+            estimator={"name": "sampled", "baseline": "loo"},
+            rollout={"n_samples": 2},
+            trainer={"micro_batch_size": 3},
+            loss={"name": "reinforce"},
+            divergence={"name": "rkl"},
+        )
+    assert str(ex.value) == (
+        "trainer.micro_batch_size=3 is not allowed; allowed: 0 or a multiple of rollout.n_samples=2 with estimator.baseline=loo "
+        "(a prompt's samples share one micro-batch)"
+    )
+    loo = dict(estimator={"name": "sampled", "baseline": "loo"}, rollout={"n_samples": 2}, divergence={"name": "rkl"})
+    with pytest.raises(ConfigError, match=r"scale.fused_lm_head='on' is not allowed; allowed: auto or off with estimator.baseline=loo"):
+        small_config(loss={"name": "reinforce"}, **loo, scale={"fused_lm_head": "on"})
+    small_config(loss={"name": "reinforce"}, **loo, trainer={"micro_batch_size": 4})
+
+
+def test_leave_one_out_by_hand():
+    """Two prompts x two samples; returns R [4, 3], the last row one token shorter."""
+    from opd_exp.divergences import leave_one_out
+
+    R = torch.tensor([[5.0, 3.0, 1.0], [9.0, 4.0, 2.0], [1.0, 1.0, 1.0], [7.0, 6.0, 0.0]])
+    m = torch.tensor([[1, 1, 1], [1, 1, 1], [1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    per_position = leave_one_out(R, m, 2)
+    assert per_position.tolist() == [[9.0, 4.0, 2.0], [5.0, 3.0, 1.0], [7.0, 6.0, 0.0], [1.0, 1.0, 0.0]]
+    whole = leave_one_out(R, m, 2, whole_row=True)
+    # RLOO: R_t - b_t = C_i - C_other at every trained position
+    assert (R - whole)[m].tolist() == [-4.0, -4.0, -4.0, 4.0, 4.0, 4.0, -6.0, -6.0, -6.0, 6.0, 6.0]
+    assert whole[~m].tolist() == [0.0]
+    with pytest.raises(ValueError, match=r"leave_one_out: 3 rows are not whole groups of rollout.n_samples=2"):
+        leave_one_out(R[:3], m[:3], 2)
+
+
 # -- the loop ------------------------------------------------------------------
 
 
@@ -279,6 +321,27 @@ def test_a_short_run_with_the_baseline_trains_and_differs_from_none(pair_root, t
     assert exact[0][0]["grad/norm"] != pytest.approx(none[0][0]["grad/norm"], rel=1e-3)
     assert all(r["estimator/baseline"] > 0 and "estimator/baseline" not in n for r, n in zip(exact[0], none[0]))
     assert max(float((a - b).abs().max()) for a, b in zip(exact[1], none[1])) > 1e-4
+
+
+def test_a_short_run_with_the_leave_one_out_baseline(pair_root, tmp_path):
+    """estimator.baseline=loo in the loop (two samples per prompt, micro-batches of one prompt): the same
+    first rollout as without it, another gradient, and estimator/baseline logged."""
+    runs = {}
+    with golden.float64():
+        for kind in ("none", "loo"):
+            cfg = small_config(
+                estimator={"name": "sampled", "baseline": kind},
+                loss={"name": "reinforce", "credit": "sequence"},
+                divergence={"name": "rkl"},
+                rollout={"engine": "hf", "n_samples": 2},
+                trainer={"max_steps": 2, "batch_size": 2, "micro_batch_size": 2},
+            )
+            t = Trainer(cfg, tmp_path / kind, pair=golden.load_pair(pair_root), task=AddTask())
+            runs[kind] = [t.train_step() for _ in range(2)]
+    none, loo = runs["none"], runs["loo"]
+    assert loo[0]["kl/reverse"] == pytest.approx(none[0]["kl/reverse"], rel=1e-12)
+    assert loo[0]["grad/norm"] != pytest.approx(none[0]["grad/norm"], rel=1e-3)
+    assert all(math.isfinite(r["estimator/baseline"]) and "estimator/baseline" not in n for r, n in zip(loo, none))
 
 
 def test_several_ppo_updates_use_the_baselined_advantages(pair_root, tmp_path):

@@ -48,8 +48,8 @@ def _metrics(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def _run(tmp_path, pair, **teacher):
-    groups = {**EXACT_GROUPS, "teacher": teacher}
+def _run(tmp_path, pair, extra=None, **teacher):
+    groups = {**EXACT_GROUPS, **(extra or {}), "teacher": teacher}
     Trainer(small_config(**groups), tmp_path, pair=pair, task=AddTask()).run()
     return [r for r in _metrics(tmp_path) if "loss" in r]
 
@@ -66,6 +66,22 @@ def test_same_tokenizer_through_bytes_gives_todays_losses(tiny_dir, tmp_path):
     other = _run(tmp_path / "sequence", _pair(tiny_dir), align="bytes", align_placement="sequence")
     assert other[0]["kl/reverse"] == pytest.approx(today[0]["kl/reverse"], rel=1e-6)  # the same sequence costs
     assert abs(other[0]["loss"] - today[0]["loss"]) > 1e-4 * abs(today[0]["loss"])
+
+
+LOO = dict(estimator=dict(name="sampled", baseline="loo"), rollout=dict(max_new_tokens=6, max_prompt_tokens=8, n_samples=2))
+
+
+def test_same_tokenizer_through_bytes_with_the_leave_one_out_baseline(tiny_dir, tmp_path):
+    """estimator.baseline=loo (allowed with align=bytes: it reads only the other samples' costs) gives
+    today's losses through the byte path too, and other losses than without the baseline."""
+    today = _run(tmp_path / "none", _pair(tiny_dir), LOO)
+    aligned = _run(tmp_path / "bytes", _pair(tiny_dir), LOO, align="bytes", align_placement="chunk")
+    for a, b in zip(today, aligned):
+        for key in ("loss", "kl/reverse", "advantages/mean", "estimator/baseline"):
+            assert b[key] == pytest.approx(a[key], rel=1e-6, abs=1e-9), key
+    plain = _run(tmp_path / "plain", _pair(tiny_dir), {"rollout": LOO["rollout"]}, align="bytes", align_placement="chunk")
+    assert plain[0]["kl/reverse"] == pytest.approx(aligned[0]["kl/reverse"], rel=1e-6)  # the same samples
+    assert abs(plain[0]["loss"] - aligned[0]["loss"]) > 1e-4 * abs(plain[0]["loss"])
 
 
 MERGES = [("1", "2"), ("3", "4"), ("5", "6"), ("7", "8"), ("9", "0"), ("1", "0"), ("+", "1")]
@@ -159,14 +175,16 @@ def test_other_tokenizer_payload_is_the_canonical_teacher_logprob(tiny_dir, othe
     assert scorer.metrics() == {}  # per step: reset after reading
 
 
-def test_other_tokenizer_trains_through_the_trainer(tiny_dir, other_teacher, tmp_path):
+@pytest.mark.parametrize("extra", [None, LOO], ids=["no_baseline", "loo"])
+def test_other_tokenizer_trains_through_the_trainer(tiny_dir, other_teacher, tmp_path, extra):
     t_tok, t_model = other_teacher
     pair = _pair(tiny_dir, teacher_tokenizer=t_tok)
     pair.teacher = t_model
-    rows = _run(tmp_path, pair, align="bytes")
+    rows = _run(tmp_path, pair, extra, align="bytes")
     assert len(rows) == 3
     for r in rows:
         assert r["loss"] == r["loss"] and r["align/chunk_tokens_mean"] >= 1.0 and 0.0 <= r["align/one_to_one_rate"] <= 1.0
+        assert ("estimator/baseline" in r) == (extra is not None)
 
 
 @pytest.mark.parametrize(
@@ -176,7 +194,7 @@ def test_other_tokenizer_trains_through_the_trainer(tiny_dir, other_teacher, tmp
         (dict(divergence=dict(name="jsd")), "divergence.name='jsd' is not allowed; allowed: rkl with teacher.align=bytes"),
         (dict(loss=dict(name="reinforce", credit="token")), "loss.credit='token' is not allowed; allowed: loss.credit=sequence"),
         (dict(loss=dict(name="reinforce", credit="sequence", gamma=0.9)), "loss.gamma=0.9 is not allowed"),
-        (dict(estimator=dict(name="sampled", baseline="exact")), "estimator.baseline='exact' is not allowed; allowed: none"),
+        (dict(estimator=dict(name="sampled", baseline="exact")), "estimator.baseline='exact' is not allowed; allowed: none or loo"),
         (dict(teacher=dict(align="bytes", name="ema")), "teacher.name='ema' is not allowed; allowed: in_process"),
         (
             dict(teacher=dict(align="bytes", align_placement="token")),

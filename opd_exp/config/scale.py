@@ -102,6 +102,8 @@ def fused_head_limit(cfg) -> str | None:
         return f"with {n} teachers (teachers.map): the fused head holds one teacher"
     if te.align == "bytes":
         return "with teacher.align=bytes (the teacher scores its own tokens)"
+    if cfg.estimator.baseline.value == "loo":
+        return "with estimator.baseline=loo (the baseline reads whole rows of a prompt's samples; the fused head cuts positions)"
     if cfg.rollout.staleness:
         return "with rollout.staleness > 0 (the importance weights are products over each row's whole response)"
     return None

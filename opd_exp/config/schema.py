@@ -76,6 +76,9 @@ class Baseline(Enum):
     # whole vocabulary (divergences/baseline.py; needs the teacher's whole distribution)
     exact = "exact"
     topk = "topk"  # the same from the teacher's top-k (estimator.k), its remaining mass spread evenly over the tail
+    # the mean return of the prompt's OTHER samples at the same position (rollout.n_samples >= 2): a function of
+    # other draws only, so unbiased for any teacher, one with another tokenizer included
+    loo = "loo"
 
 
 class LossName(Enum):
@@ -155,7 +158,7 @@ class EstimatorConfig:
     # rows per chunk of the full-vocab path (null: sized from the vocabulary)
     chunk_size: int | None = None
     # estimator=sampled: a control variate b per position (the score-weighted mean cost under S; never
-    # reads y, so unbiased; divergences/baseline.py), subtracted from the sampled cost: none | exact | topk
+    # reads y, so unbiased; divergences/baseline.py), subtracted from the sampled cost: none | exact | topk | loo
     baseline: Baseline = Baseline.none
 
     def __post_init__(self) -> None:
@@ -266,6 +269,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             cfg.estimator.baseline.value,
             f"none with estimator={est.value} (the baseline is subtracted from estimator=sampled's cost)",
         )
+    if cfg.estimator.baseline is Baseline.loo:
+        validate_group_baseline(cfg)
     if cfg.divergence.name is DivergenceName.jsd_legacy:
         if est is not EstimatorName.sampled:
             _fail("estimator.name", est.value, "sampled with divergence=jsd_legacy (only its sampled cost differs from jsd)")
@@ -312,6 +317,22 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 _NO_SAMPLED_COST = (EstimatorName.full, EstimatorName.topk_renorm, EstimatorName.topk_generalized_kl, EstimatorName.topk_verl)
 # the top-k estimators of divergences/topk_variants.py routed through TOPK_ESTIMATORS
 TOPK_VARIANTS = (EstimatorName.topk_student, EstimatorName.topk_union, EstimatorName.topk_generalized_kl, EstimatorName.topk_verl)
+
+
+def validate_group_baseline(cfg: TrainConfig) -> None:
+    """``estimator.baseline=loo`` reads the other samples of each prompt in the same forward: every
+    micro-batch must hold whole groups of ``rollout.n_samples`` rows."""
+    n, mbs = cfg.rollout.n_samples, cfg.trainer.micro_batch_size
+    if n < 2:
+        _fail(
+            "estimator.baseline", "loo", f"none | exact | topk with rollout.n_samples={n} (leave-one-out needs >= 2 samples of each prompt)"
+        )
+    if mbs % n:
+        _fail(
+            "trainer.micro_batch_size",
+            mbs,
+            f"0 or a multiple of rollout.n_samples={n} with estimator.baseline=loo (a prompt's samples share one micro-batch)",
+        )
 
 
 def validate_topk_variant(cfg: TrainConfig) -> None:

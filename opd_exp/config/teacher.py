@@ -255,11 +255,12 @@ def validate_align(cfg) -> None:
             cfg.divergence.name.value,
             f"rkl {why} (only reverse KL's sequence log-ratio is a sum of chunk log-ratios; docs/training.md)",
         )
-    if cfg.estimator.baseline.value != "none":
+    if cfg.estimator.baseline.value not in ("none", "loo"):
         _fail(
             "estimator.baseline",
             cfg.estimator.baseline.value,
-            f"none {why} (a baseline needs the teacher's distribution over the student's tokens)",
+            f"none or loo {why} (exact and topk need the teacher's distribution over the student's tokens; loo reads "
+            "only the other samples' costs)",
         )
     credit, gamma = cfg.loss.credit.value, cfg.loss.gamma
     if (credit != "sequence" or gamma != 1.0) and not te.align_biased:

@@ -13,7 +13,7 @@ exactness checks on it (docs/extending.md), ``check_topk_estimators(d)`` those o
 top-k estimators (``TOPK_ESTIMATORS``, docs/divergences.md#top-k-estimators).
 """
 
-from .baseline import expected_cost, topk_expected_cost
+from .baseline import expected_cost, leave_one_out, topk_expected_cost
 from .catalog import (
     DIVERGENCES,
     Divergence,
@@ -73,6 +73,7 @@ __all__ = [
     "filtered_value",
     "generalized_kl_topk",
     "get_divergence",
+    "leave_one_out",
     "masked_mean",
     "masked_sum",
     "on_register",

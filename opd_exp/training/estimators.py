@@ -25,6 +25,7 @@ from opd_exp.divergences import (
     expected_cost,
     filtered_value,
     generalized_kl_topk,
+    leave_one_out,
     sequence_returns,
     topk_estimate,
     topk_expected_cost,
@@ -127,8 +128,8 @@ class Sampled(Estimator):
         else:
             returns = cost
         per_position = {}
-        if cfg.estimator.baseline.value != "none":  # a control variate: E[c] at the position, never reading y
-            b = self.baseline(x).to(returns.dtype)
+        if cfg.estimator.baseline.value != "none":  # a control variate that never reads y: the same expected gradient
+            b = self.baseline(x, returns).to(returns.dtype)
             returns = torch.where(x.m, returns - b, returns)
             per_position["estimator/baseline"] = b
         advantages = -cfg.loss.kl_coef * returns  # after the baseline: what the loss uses (advantages/mean)
@@ -143,10 +144,14 @@ class Sampled(Estimator):
         return Estimate(per_token, advantages, clipped, None, per_position)
 
     @staticmethod
-    def baseline(x: StepInputs) -> torch.Tensor:
-        """b per position (``estimator.baseline``; the score-weighted mean cost under S): exact from a dense teacher, or
-        from the teacher's top-k (``divergences.baseline``); the sampling distribution's logits."""
+    def baseline(x: StepInputs, returns: torch.Tensor) -> torch.Tensor:
+        """b per position (``estimator.baseline``, ``divergences.baseline``): the score-weighted mean cost under S, exact
+        from a dense teacher or from the teacher's top-k (the sampling distribution's logits); or the mean of ``returns``
+        over the prompt's other samples (loo)."""
         cfg = x.cfg
+        if cfg.estimator.baseline.value == "loo":
+            whole_row = cfg.loss.credit.value == "sequence" and cfg.loss.gamma == 1.0  # RLOO; per position otherwise
+            return leave_one_out(returns, x.m, cfg.rollout.n_samples, whole_row=whole_row)
         if cfg.estimator.baseline.value == "exact":
             return expected_cost(x.obj.div, x.student_z, x.scores.logits)
         tk_lp, tk_ids = x.scores.topk(cfg.estimator.k)
