@@ -66,6 +66,7 @@ def eval_divergence(cfg, task, pair, student, samples: int) -> dict:
     from opd_exp.training.engines import in_process_engine
     from opd_exp.training.scoring import student_logits, token_logprobs
     from opd_exp.training.teacher_align import ByteAlignedTeacher
+    from opd_exp.training.teacher_prompt import TeacherPrompt, own_template
 
     problems = list(task.eval_problems())
     prompts = [task.render_prompt(p, pair.tokenizer) for p in problems]
@@ -75,6 +76,11 @@ def eval_divergence(cfg, task, pair, student, samples: int) -> dict:
     try:
         engine = in_process_engine(cfg, student, pair.tokenizer, pair.vocab_size, source="student", autocast=contextlib.nullcontext)
         batch = engine.generate(prompts, seeds, n_samples=samples)
+        # the teacher reads the problem as in training: its own chat template where it has one
+        own = own_template(pair.tokenizer, pair.teacher_tokenizer or pair.tokenizer)
+        batch = TeacherPrompt(task, pair.tokenizer, "none", cfg.rollout.max_prompt_tokens, render_with=lambda k: own).attach(
+            batch, problems
+        )
         z = student_logits(student, batch, pair.vocab_size, engine.sampling)
         m = batch.response_mask.float()
         log_s = (token_logprobs(z.float(), batch.response_ids) * m).sum(-1).double()
@@ -99,6 +105,9 @@ def eval_divergence(cfg, task, pair, student, samples: int) -> dict:
         "log_t_per_token": float(log_t.sum() / tokens.sum()),
         "per_row": diff.tolist(),
         "row_tokens": tokens.tolist(),
+        # rows whose tokens are the student tokenizer's own tokens of their text: the sequence KL also falls
+        # when the student spreads over other tokenizations of one string (docs/training.md), which this shows
+        "student_canonical_rate": canonical_rate(pair.tokenizer, batch),
         # the first sample of each prompt, as the student wrote it (what the numbers are about)
         "texts": [decode_row(pair.tokenizer, batch, i * samples) for i in range(len(prompts))],
         "teacher_score_s": round(teacher_s, 2),
@@ -109,6 +118,19 @@ def eval_divergence(cfg, task, pair, student, samples: int) -> dict:
 def decode_row(tokenizer, batch, i: int) -> str:
     ids = batch.response_ids[i][batch.response_mask[i].bool()].tolist()
     return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def canonical_rate(tokenizer, batch) -> float:
+    """The share of rows whose response tokens (before an end of turn) are what the tokenizer makes of their text."""
+    from opd_exp.training.teacher_align import student_end_ids
+
+    ends, same = student_end_ids(tokenizer), 0
+    for i in range(batch.num_sequences):
+        ids = batch.response_ids[i][batch.response_mask[i].bool()].tolist()
+        body = ids[:-1] if ids and ids[-1] in ends else ids
+        text = tokenizer.decode(body, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        same += tokenizer(text, add_special_tokens=False)["input_ids"] == body
+    return same / max(batch.num_sequences, 1)
 
 
 def paired(before: dict, after: dict) -> dict:

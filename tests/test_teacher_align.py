@@ -234,3 +234,53 @@ def test_chunk_placement_with_another_tokenizer_and_unmappable_ends_are_refused(
     no_end.eos_token = None
     with pytest.raises(ConfigError, match="end cannot be mapped"):
         ByteAlignedTeacher(t_model, s_tok, no_end, temperature=1.0, device="cpu")
+
+
+class TemplateTask(AddTask):
+    """AddTask asked through each tokenizer's chat template (where it has one)."""
+
+    def render_prompt(self, problem, tokenizer):
+        from opd_exp.tasks.base import render_prompt
+
+        return render_prompt(problem.prompt, tokenizer)
+
+
+@pytest.mark.parametrize("own_template", [True, False], ids=["teacher_template", "no_template"])
+def test_the_teacher_is_asked_through_its_own_chat_template(tiny_dir, other_teacher, tmp_path, own_template):
+    """A teacher with another tokenizer and a chat template of its own reads the problem rendered with
+    that template (the student samples from its own); a teacher without one (a base model) reads the
+    student's rendering."""
+    import copy
+
+    t_tok, t_model = other_teacher
+    t_tok = copy.deepcopy(t_tok)
+    # a template in characters the student's tokenizer holds (a byte-level one holds any)
+    t_tok.chat_template = "{% for m in messages %}# {{ m['content'] }};{% endfor %}" if own_template else None
+    pair = _pair(tiny_dir, teacher_tokenizer=t_tok)
+    pair.teacher = t_model
+    task = TemplateTask()
+    trainer = Trainer(small_config(**{**EXACT_GROUPS, "teacher": dict(align="bytes")}), tmp_path, pair=pair, task=task)
+    batch = trainer.sample(0)
+    view, _ = trainer.teacher_scorer.teacher_rows(batch)
+    by_student = {task.render_prompt(p, pair.tokenizer): p for p in task.train_problems()}
+    for i in range(batch.num_sequences):
+        P = batch.prompt_len
+        student_prompt = pair.tokenizer.decode(batch.input_ids[i, :P][batch.attention_mask[i, :P].bool()].tolist())
+        problem = by_student[student_prompt]
+        teacher_ids = view.input_ids[i, : view.prompt_len][view.attention_mask[i, : view.prompt_len].bool()].tolist()
+        want = task.render_prompt(problem, t_tok if own_template else pair.tokenizer)
+        assert teacher_ids == t_tok(want, add_special_tokens=False)["input_ids"]
+        assert (want != student_prompt) == own_template
+
+
+def test_a_teacher_template_the_student_cannot_hold_is_one_line(tiny_dir, other_teacher, tmp_path):
+    """The teacher's rendering reaches the byte-aligned teacher as the student tokenizer's ids of its
+    text: a template with characters the student's tokenizer maps to an unknown token is refused."""
+    t_tok, t_model = other_teacher  # its template writes <|im_end|>, which the character-level student cannot
+    pair = _pair(tiny_dir, teacher_tokenizer=t_tok)
+    pair.teacher = t_model
+    trainer = Trainer(small_config(**{**EXACT_GROUPS, "teacher": dict(align="bytes")}), tmp_path, pair=pair, task=TemplateTask())
+    with pytest.raises(ConfigError) as e:
+        trainer.sample(0)
+    assert str(e.value).startswith("the teacher's chat template renders a prompt the student's tokenizer does not keep (")
+    assert "\n" not in str(e.value)

@@ -2,9 +2,9 @@
 the teacher with the teacher's tokenizer, scored on the teacher's own tokens, and aligned by byte
 offsets into chunks (``divergences/chunks.py``, where the math and what it estimates are stated).
 
-Per row: the student's prompt text (its ids decoded) is handed to ``prompt_text`` (the identity by
-default: the student's rendered prompt; a caller with the problems renders the teacher's own chat
-template instead) and tokenized by the teacher; the response's text (the student's tokens up to its
+Per row: the prompt text (the teacher's view of the row where it has one, ``Batch.teacher_input``: the
+teacher's own chat template, ``training/teacher_prompt.py``; else the student's rendered prompt),
+decoded from its ids, is tokenized by the teacher; the response's text (the student's tokens up to its
 end of turn) is tokenized by the teacher as a whole (its canonical tokens) and followed by the
 teacher's end of turn where the student's row ended with its own; a teacher tokenizer that prepends a
 BOS (Gemma, Llama) gets it at the start of the prompt, exactly once. The teacher scores that sequence
@@ -21,7 +21,7 @@ student's end can map to is refused when the scorer is built.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -142,12 +142,10 @@ class ByteAlignedTeacher(TeacherScorer):
         device,
         placement: str = "sequence",
         autocast=contextlib.nullcontext,
-        prompt_text: Callable[[str], str] | None = None,
         teacher: TeacherScorer | None = None,
     ):
         self.model, self.student_tok, self.teacher_tok = model, student_tokenizer, teacher_tokenizer
         self.temperature, self.device, self.autocast, self.placement = temperature, torch.device(device), autocast, placement
-        self.prompt_text = prompt_text or (lambda text: text)
         self.teacher_vocab = len(teacher_tokenizer)
         # what scores the teacher's own tokens: the model here, or a served one (its vocabulary is the teacher's)
         self.scorer = (
@@ -173,14 +171,15 @@ class ByteAlignedTeacher(TeacherScorer):
     def teacher_rows(self, batch: Batch):
         """The teacher's ``Batch`` (left-padded teacher prompts, the teacher's tokens of each response,
         its end of turn where the row ended) and each row's (student length, chunks)."""
-        P = batch.prompt_len
+        asked = batch.teacher_input  # the teacher's own prompt where the batch carries one
+        P = asked.prompt_len
         prompts, responses, rows = [], [], []
         for i in range(batch.num_sequences):
-            pmask = batch.attention_mask[i, :P].bool()
+            pmask = asked.attention_mask[i, :P].bool()
             prompt = self.student_tok.decode(
-                batch.input_ids[i, :P][pmask].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False
+                asked.input_ids[i, :P][pmask].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False
             )
-            p_ids = self.teacher_tok(self.prompt_text(prompt), add_special_tokens=False)["input_ids"]
+            p_ids = self.teacher_tok(prompt, add_special_tokens=False)["input_ids"]
             if self.teacher_bos is not None and p_ids[:1] != [self.teacher_bos]:  # its BOS, once (a template may write it)
                 p_ids = [self.teacher_bos, *p_ids]
             prompts.append(p_ids)

@@ -38,34 +38,60 @@ def privileged_prompt(task, problem, kind: str, tokenizer) -> str:
     return task.render_prompt(with_context(problem, kind), tokenizer)
 
 
-class TeacherPrompt:
-    """Attaches ``teacher_view`` to a batch whose rows come from ``problems`` (by ``prompt_index``);
-    with ``teacher.privileged=none`` it leaves the batch as it is."""
+def own_template(student_tokenizer, teacher_tokenizer):
+    """The tokenizer whose chat template renders a teacher's prompt: the teacher's own where it has a
+    template that is not the student's (Qwen's system turn); None: the student's rendering (one
+    template, or a teacher without one, such as a base model)."""
+    template = getattr(teacher_tokenizer, "chat_template", None)
+    return teacher_tokenizer if template and template != getattr(student_tokenizer, "chat_template", None) else None
 
-    def __init__(self, task, tokenizer, kind: str, max_prompt_tokens: int, warn: Callable[[str], None] = print):
+
+class TeacherPrompt:
+    """Attaches ``teacher_view`` to a batch whose rows come from ``problems`` (by ``prompt_index``):
+    the privileged context (``teacher.privileged``), and a teacher with another tokenizer's own chat
+    template (``render_with``: row's teacher index -> the tokenizer that renders its prompt, None for
+    the student's). The view's ids are the student tokenizer's of that text, which a byte-aligned
+    teacher decodes back to it (``training/teacher_align.py``). With neither, the batch as it is."""
+
+    def __init__(
+        self,
+        task,
+        tokenizer,
+        kind: str,
+        max_prompt_tokens: int,
+        warn: Callable[[str], None] = print,
+        render_with: Callable[[int], Any] | None = None,
+    ):
         self.task, self.tokenizer, self.kind = task, tokenizer, kind
         self.cap, self.warn, self._warned = PROMPT_CAP_FACTOR * max_prompt_tokens, warn, False
+        self.render_with = render_with or (lambda k: None)
 
     @classmethod
-    def from_config(cls, cfg, task, tokenizer, warn=print) -> TeacherPrompt:
-        return cls(task, tokenizer, cfg.teacher.privileged.value, cfg.rollout.max_prompt_tokens, warn)
+    def from_config(cls, cfg, task, tokenizer, warn=print, render_with=None) -> TeacherPrompt:
+        return cls(task, tokenizer, cfg.teacher.privileged.value, cfg.rollout.max_prompt_tokens, warn, render_with)
 
     @property
     def active(self) -> bool:
         return self.kind != "none"
 
     def attach(self, batch: Batch, problems: Sequence[Any]) -> Batch:
-        if not self.active:
+        routes = [0] * batch.num_sequences if batch.route is None else batch.route.tolist()
+        render = [self.render_with(int(k)) for k in routes]
+        if not self.active and all(tok is None for tok in render):
             return batch
         from opd_exp.training.rollout import encode_prompts
 
         rows = batch.prompt_index.tolist()
-        texts = [privileged_prompt(self.task, problems[i], self.kind, self.tokenizer) for i in rows]
+        texts = [self.text(problems[i], tok or self.tokenizer) for i, tok in zip(rows, render)]
+        for text, tok in zip(texts, render):
+            if tok is not None:
+                self._check_kept(text)
         ids, mask = encode_prompts(self.tokenizer, texts, self.cap)
         if not self._warned and any(len(self.tokenizer(t, add_special_tokens=False)["input_ids"]) > self.cap for t in texts):
             self._warned = True
             self.warn(
-                f"opd-train: warning: teacher.privileged={self.kind}: a teacher prompt is longer than {self.cap} tokens "
+                f"opd-train: warning: {f'teacher.privileged={self.kind}' if self.active else 'the teacher chat template'}: a teacher "
+                f"prompt is longer than {self.cap} tokens "
                 f"({PROMPT_CAP_FACTOR} x rollout.max_prompt_tokens) and loses its first tokens (the context)"
             )
         device = batch.input_ids.device
@@ -83,3 +109,23 @@ class TeacherPrompt:
             loss_mask=batch.loss_mask,
         )
         return dataclasses.replace(batch, teacher_view=view)
+
+    def _check_kept(self, text: str) -> None:
+        """A prompt rendered by another tokenizer's template travels as the student's ids and is decoded
+        back by the byte-aligned teacher: it must come back unchanged (a byte-level BPE keeps any text)."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        back = self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+        if back != text:
+            from opd_exp.runtime.errors import ConfigError
+
+            raise ConfigError(
+                f"the teacher's chat template renders a prompt the student's tokenizer does not keep ({text[:60]!r} comes back "
+                f"as {back[:60]!r}); allowed: a student tokenizer that keeps any text (byte-level BPE) or a teacher tokenizer "
+                "without a chat template (it then reads the student's rendering)"
+            )
+
+    def text(self, problem, tokenizer) -> str:
+        """The teacher's rendered prompt of ``problem`` through ``tokenizer``'s chat template."""
+        if self.active:
+            return privileged_prompt(self.task, problem, self.kind, tokenizer)
+        return self.task.render_prompt(problem, tokenizer)

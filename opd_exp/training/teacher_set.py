@@ -137,6 +137,12 @@ class TeacherSet:
         """Teacher ``k``'s own tokenizer (teacher.align=bytes), None: the pair's."""
         return self.tokenizers[k] if self.active else self.teacher_tokenizer
 
+    def prompt_tokenizer(self, k: int):
+        """The tokenizer whose chat template renders teacher ``k``'s prompt (``teacher_prompt.own_template``)."""
+        from opd_exp.training.teacher_prompt import own_template
+
+        return own_template(self._engine_args[0], self._tokenizer(k)) if self._own_tokenizer(k) else None
+
     def _own_tokenizer(self, k: int) -> bool:
         """Teacher ``k`` has a tokenizer of its own, not the student's (teacher.align=bytes)."""
         from opd_exp.training.teacher_align import same_tokenizer

@@ -113,7 +113,7 @@ class Trainer:
         )  # fmt: skip
         self.student_logits = materialised.student_logits  # (module, batch): the sampling-distribution logits
         self.eval_divergences = EvalDivergences(cfg)
-        self.teacher_prompt = TeacherPrompt.from_config(cfg, task, self.tokenizer, warn=self.warn)
+        self.teacher_prompt = TeacherPrompt.from_config(cfg, task, self.tokenizer, self.warn, self.teachers.prompt_tokenizer)
         self.evaluator = Evaluator(
             task, self.tokenizer, eval_set, batch_size=cfg.eval.batch_size, teacher=self.teacher_scorer,
             divergences=self.eval_divergences if self.teacher_scorer.full_distribution else {},  # need the whole teacher
