@@ -14,44 +14,23 @@ student). Runs of several folders (the sweep, fresh seeds) are pooled by arm.
 from __future__ import annotations
 
 import sys
+from functools import partial
 
-from opd_exp.analysis import AnalysisError, load_runs
 from opd_exp.analysis import format_ci95 as ci95
+from opd_exp.analysis import lab_arms, lab_fail
 
 DOMAINS = ("addsub", "mul")
 ROUTED = "mopd_routed"
 ALLOWED = "allowed: folders of `opd-train -m sweep=lab_mopd` (multirun/lab_mopd/embedded_mopd)"
 
 
-def fail(line: str) -> None:
-    """One line on stderr, exit code 2 (a missing or empty folder, another world's runs)."""
-    print(f"lab_mopd: {line}", file=sys.stderr)
-    sys.exit(2)
-
-
-def arms(folders) -> dict[str, dict[int, object]]:
-    """{arm: {seed: run}} over every finished run of the folders; a folder that holds none, or a
-    run that logs no per-domain accuracy (another world's, or another sweep's), is refused."""
-    out: dict[str, dict[int, object]] = {}
-    for folder in folders:
-        try:
-            runs = load_runs(folder)
-        except AnalysisError as exc:  # no such folder, not a folder, no metrics.jsonl under it
-            fail(f"{exc}; {ALLOWED}")
-        finished = [r for r in runs if r.finished]
-        if not finished:
-            fail(f"{folder}: no finished run ({len(runs)} still running or stopped); {ALLOWED}")
-        for r in finished:
-            missing = [d for d in DOMAINS if r.final(f"eval/teacher/{d}/accuracy") is None]
-            if missing:
-                world = ", ".join(f"{k}={r.choices[k]}" for k in ("sweep", "model_pair") if k in r.choices) or "no sweep recorded"
-                fail(f"{r.path}: logs no eval/teacher/{missing[0]}/accuracy ({world}): not a run of the lab_mopd world; {ALLOWED}")
-            out.setdefault(r.overrides.get("variant", r.variant), {})[r.seed] = r
-    return out
+fail = partial(lab_fail, "lab_mopd")
 
 
 def main(folders) -> None:
-    by_arm = arms(folders)
+    # a run that logs no per-domain accuracy (another world's, or another sweep's) is refused
+    metrics = [f"eval/teacher/{d}/accuracy" for d in DOMAINS]
+    by_arm = lab_arms(folders, "lab_mopd", ALLOWED, metrics=metrics, world="the lab_mopd world")
     step = max(r.last_step() for runs in by_arm.values() for r in runs.values())
     print(f"final eval (step {step}), mean ± 95% CI over seeds\n")
     head = ["arm", "seeds", "student: + and -", "student: *", "student: all", "teacher of + and -", "teacher of *"]

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
+from functools import partial
 
-from opd_exp.analysis import AnalysisError, group_by_variant
+from opd_exp.analysis import AnalysisError, group_by_variant, lab_fail
 from opd_exp.analysis import format_ci95 as ci95
 from opd_exp.analysis.runs import load_sources
 
@@ -26,10 +26,7 @@ SWEEPS = ("lab_early_stop", "lab_token_fraction")
 ALLOWED = "allowed: folders of `opd-train -m sweep=lab_early_stop` or `sweep=lab_token_fraction` (one world)"
 
 
-def fail(line: str) -> None:
-    """One line on stderr, exit code 2 (a missing or empty folder, another world's runs)."""
-    print(f"lab_positions: {line}", file=sys.stderr)
-    sys.exit(2)
+fail = partial(lab_fail, "lab_positions")  # a missing or empty folder, another world's runs
 
 
 def world(run) -> str:

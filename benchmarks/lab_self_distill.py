@@ -18,17 +18,16 @@ folders (the sweep, fresh seeds) are pooled by arm.
 from __future__ import annotations
 
 import sys
+from functools import partial
 from pathlib import Path
 
-from opd_exp.analysis import AnalysisError, load_runs
+from opd_exp.analysis import AnalysisError, lab_fail, load_runs
 from opd_exp.analysis import format_ci95 as ci95
 
 ALLOWED = "allowed: folders of `opd-train -m sweep=lab_self_distill` (multirun/lab_self_distill/embedded_self_distill)"
 
 
-def fail(line: str) -> None:
-    print(f"lab_self_distill: {line}", file=sys.stderr)
-    sys.exit(2)
+fail = partial(lab_fail, "lab_self_distill")
 
 
 def _models(run):

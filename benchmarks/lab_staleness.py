@@ -14,17 +14,14 @@ final eval alone). How far the student moves per update decides whether a lag ma
 from __future__ import annotations
 
 import argparse
-import sys
+from functools import partial
 from pathlib import Path
 
-from opd_exp.analysis import AnalysisError, group_by_variant, load_runs
+from opd_exp.analysis import AnalysisError, group_by_variant, lab_fail, load_runs
 from opd_exp.analysis import format_ci95 as ci95
 from opd_exp.analysis.labels import paper_labels
 
-
-def fail(message: str) -> None:
-    print(f"lab_staleness: {message}", file=sys.stderr)
-    raise SystemExit(2)
+fail = partial(lab_fail, "lab_staleness")
 
 
 def at_full_lag(run, metric: str) -> list[float]:

@@ -14,40 +14,17 @@ by arm.
 from __future__ import annotations
 
 import sys
+from functools import partial
 
-from opd_exp.analysis import AnalysisError, load_runs
 from opd_exp.analysis import format_ci95 as ci95
+from opd_exp.analysis import lab_arms, lab_fail
 
 EVAL = ("eval/accuracy", "eval/tools/result_used_rate", "eval/tools/self_result_rate")
 TRAIN = "tools/self_result_rate"
 ALLOWED = "allowed: folders of `opd-train -m sweep=lab_tool_masks` (multirun/lab_tool_masks/embedded_tool)"
 
 
-def fail(line: str) -> None:
-    """One line on stderr, exit code 2 (a missing or empty folder, another world's runs)."""
-    print(f"lab_tool_masks: {line}", file=sys.stderr)
-    sys.exit(2)
-
-
-def arms(folders) -> dict[str, dict[int, object]]:
-    """{arm: {seed: run}} over every finished run of the folders; a folder that holds none, or a
-    run without the tool metrics (another world's, or another sweep's), is refused."""
-    out: dict[str, dict[int, object]] = {}
-    for folder in folders:
-        try:
-            runs = load_runs(folder)
-        except AnalysisError as exc:  # no such folder, not a folder, no metrics.jsonl under it
-            fail(f"{exc}; {ALLOWED}")
-        finished = [r for r in runs if r.finished]
-        if not finished:
-            fail(f"{folder}: no finished run ({len(runs)} still running or stopped); {ALLOWED}")
-        for r in finished:
-            missing = [m for m in (*EVAL, TRAIN) if r.final(m) is None]
-            if missing:
-                world = ", ".join(f"{k}={r.choices[k]}" for k in ("sweep", "model_pair") if k in r.choices) or "no sweep recorded"
-                fail(f"{r.path}: logs no {missing[0]} ({world}): not a run of the tool world; {ALLOWED}")
-            out.setdefault(r.overrides.get("variant", r.variant), {})[r.seed] = r
-    return out
+fail = partial(lab_fail, "lab_tool_masks")
 
 
 def late_mean(run, metric: str) -> float:
@@ -58,7 +35,8 @@ def late_mean(run, metric: str) -> float:
 
 
 def main(folders) -> None:
-    by_arm = arms(folders)
+    # a run without the tool metrics (another world's, or another sweep's) is refused
+    by_arm = lab_arms(folders, "lab_tool_masks", ALLOWED, metrics=(*EVAL, TRAIN), world="the tool world")
     step = max(r.last_step() for runs in by_arm.values() for r in runs.values())
     print(f"final eval (step {step}; greedy episodes), mean ± 95% CI over seeds\n")
     head = ["arm", "seeds", *EVAL, "train tools/self_result_rate (last quarter)"]

@@ -4,7 +4,8 @@ The modules, in the order a comparison uses them: ``runs`` (read folders and W&B
 ``naming`` (a run's name, shared with W&B), ``stats`` (mean, 95% interval, std, min..max,
 paired differences), ``aggregate`` (per-variant values over seeds: final, at a step, steps to
 a threshold, against a base), ``labels`` (the reader's names and titles), ``tables``,
-``figures``. Every public name is importable from ``opd_exp.analysis``.
+``figures``; ``lab`` (what the lab's table scripts share). Every public name is importable
+from ``opd_exp.analysis``.
 """
 
 from opd_exp.analysis.aggregate import (
@@ -29,6 +30,7 @@ from opd_exp.analysis.aggregate import (
     value_at,
 )
 from opd_exp.analysis.figures import CURVE_METRICS, ema, plot_curves
+from opd_exp.analysis.lab import lab_arms, lab_fail
 from opd_exp.analysis.labels import (
     divergence_label,
     figure_title,
@@ -117,6 +119,8 @@ __all__ = [
     "format_stat",
     "format_table",
     "group_by_variant",
+    "lab_arms",
+    "lab_fail",
     "latest_multirun",
     "load_runs",
     "load_sources",
