@@ -82,13 +82,20 @@ def _train(tmp_path, *args):
 @pytest.mark.parametrize("pair", ["qwen_smollm2", "gemma_smollm2"])
 def test_cross_tokenizer_pair_trains(pair, tmp_path):
     rows, err = _train(
-        tmp_path, f"experiment={pair}", "trainer.max_steps=2", "trainer.batch_size=2", "rollout.max_new_tokens=12", "eval.size=2"
+        tmp_path,
+        f"experiment={pair}",
+        "trainer.max_steps=2",
+        "trainer.batch_size=1",
+        "rollout.n_samples=2",
+        "rollout.max_new_tokens=12",
+        "eval.size=2",
     )
     steps = [r for r in rows if "loss" in r]
     assert [r["step"] for r in steps] == [1, 2]
     for r in steps:
         assert r["loss"] == r["loss"] and r["kl/reverse"] == r["kl/reverse"]
         assert r["align/chunk_tokens_mean"] >= 1.0 and 0.0 < r["align/one_to_one_rate"] <= 1.0
+        assert r["estimator/baseline"] == r["estimator/baseline"]  # the pair's leave-one-out baseline
     assert "teacher.align=bytes: the teacher scores its own tokens" in err
 
 
