@@ -97,6 +97,7 @@ def test_the_fused_head_on_auto_is_picked_for_several_updates_too():
             teacher=SimpleNamespace(served=False, align="none"),
             teachers=SimpleNamespace(active=False),
             rollout=SimpleNamespace(staleness=0),
+            estimator=SimpleNamespace(baseline=SimpleNamespace(value="none")),
         )
 
     # a model the fused path supports, at a vocabulary where auto would pick it

@@ -278,9 +278,14 @@ def test_eval_teacher_accuracy_asks_the_teacher_in_its_own_tokens(cross, tmp_pat
     """Before: the teacher was given the student's ids (and decoded with the student's tokenizer)."""
     from opd_exp.training.evaluate import evaluate_accuracy
 
+    import copy
+
     pair = load_pair(cross)
+    # the teacher's own chat template, in characters the character-level student's tokenizer holds
+    pair.teacher_tokenizer = copy.deepcopy(cross.t_tok)
+    pair.teacher_tokenizer.chat_template = "{% for m in messages %}# {{ m['content'] }}{% endfor %}"
     problems = AddTask().eval_problems()[:4]
-    want = evaluate_accuracy(pair.teacher, cross.t_tok, OwnAnswers({}), problems, max_new_tokens=6, return_completions=True)
+    want = evaluate_accuracy(pair.teacher, pair.teacher_tokenizer, OwnAnswers({}), problems, max_new_tokens=6, return_completions=True)
     answers = {p.prompt: c.strip() for p, c in zip(problems, want["completions"])}
     assert len(set(answers.values())) > 1  # the teacher says different things: an accuracy of 1 means something
     rows = run(tmp_path, pair, task=OwnAnswers(answers))
@@ -314,14 +319,28 @@ def test_a_teacher_tokenizer_that_prepends_a_bos_gets_it_once(cross, tmp_path):
     for i, r in enumerate(rows):
         resp[i, : len(r)] = torch.tensor(r)
     batch = Batch.from_responses(ids, mask, resp, [eos], lengths=torch.tensor([len(r) for r in rows]))
-    for prompt_text in (None, lambda text: "<s>" + text):  # a template that writes the BOS itself
-        scorer = ByteAlignedTeacher(model, s_tok, t_tok, temperature=1.0, device="cpu", prompt_text=prompt_text)
-        view, _ = scorer.teacher_rows(batch)
+    # a teacher whose chat template writes the BOS itself, its prompt carried as the student's ids of that text
+    # (a student tokenizer that holds '<s>', as a byte-level one holds any text)
+    import copy
+
+    from opd_exp.tasks.base import Problem
+    from opd_exp.training.teacher_prompt import TeacherPrompt
+
+    s_bos = copy.deepcopy(s_tok)
+    s_bos.add_special_tokens({"additional_special_tokens": ["<s>"]})
+    t_template = copy.deepcopy(t_tok)
+    t_template.chat_template = "<s>{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    problems = [Problem(prompt=p, answer="", solution="") for p in prompts]
+    asked = TeacherPrompt(OwnAnswers({}), s_bos, "none", 8, render_with=lambda k: t_template).attach(batch, problems)
+    assert s_bos.decode(asked.teacher_view.input_ids[0][asked.teacher_view.attention_mask[0].bool()][:2].tolist()).startswith("<s>")
+    for tok, rows_of in ((s_tok, batch), (s_bos, asked)):
+        scorer = ByteAlignedTeacher(model, tok, t_tok, temperature=1.0, device="cpu")
+        view, _ = scorer.teacher_rows(rows_of)
         P = view.prompt_len
         for i, prompt in enumerate(prompts):
             got = view.input_ids[i, :P][view.attention_mask[i, :P].bool()].tolist()
             assert got == [bos, *t_tok(prompt, add_special_tokens=False)["input_ids"]]
-        t = scorer.score(batch).sampled_logprobs
+        t = scorer.score(rows_of).sampled_logprobs
         for i, (prompt, text) in enumerate(zip(prompts, texts)):
             p = t_tok(prompt, add_special_tokens=True)["input_ids"]  # <s> + prompt
             r = t_tok(text, add_special_tokens=False)["input_ids"] + [t_tok.convert_tokens_to_ids("<|im_end|>")]
