@@ -44,9 +44,9 @@ def anchors(path: Path) -> set[str]:
 
 def test_readme_test_command_is_the_one_ci_runs():
     commands = [line.strip() for block in code_blocks(README.read_text(), "bash") for line in block.splitlines()]
-    assert "python -m pytest -q" in commands
+    assert "python -m pytest -q -n 2 --dist loadfile" in commands
     ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines() if line.strip() and not line.startswith("#")]
-    assert "python -m pytest -q" in ci
+    assert "python -m pytest -q -n 2 --dist loadfile" in ci
     assert "pip install torch==2.13.0" in commands and 'pip install -e ".[dev]"' in commands and "opd-train" in commands
 
 
