@@ -271,6 +271,25 @@ def test_the_leave_one_out_baseline_needs_groups_in_one_micro_batch():
     with pytest.raises(ConfigError, match=r"scale.fused_lm_head='on' is not allowed; allowed: auto or off with estimator.baseline=loo"):
         small_config(loss={"name": "reinforce"}, **loo, scale={"fused_lm_head": "on"})
     small_config(loss={"name": "reinforce"}, **loo, trainer={"micro_batch_size": 4})
+    with pytest.raises(ConfigError) as ex:
+        small_config(loss={"name": "ppo", "ppo_epochs": 2}, **loo)
+    assert str(ex.value) == (
+        "loss.ppo_epochs=2 is not allowed; allowed: 1 with estimator.baseline=loo (later PPO updates shuffle rows across prompts)"
+    )
+    # ranks: each must hold a prompt's samples whole (checked when the trainer starts, before any model loads)
+    from opd_exp.config.schema import whole_groups
+    from opd_exp.runtime.distributed import DistState, shard
+
+    group = whole_groups(small_config(loss={"name": "reinforce"}, **loo))
+    assert group == ("estimator.baseline=loo", 2)
+    assert shard(4, DistState(parallel="ddp", rank=1, world_size=2), group) == slice(2, 4)
+    with pytest.raises(ConfigError) as ex:
+        shard(6, DistState(parallel="ddp", rank=0, world_size=2), group)
+    assert str(ex.value) == (
+        "trainer.batch_size=3 is not allowed with estimator.baseline=loo over 2 ranks (a prompt's 2 samples would be split "
+        "between ranks); allowed: a multiple of 2"
+    )
+    assert whole_groups(small_config()) is None
 
 
 def test_leave_one_out_by_hand():
@@ -287,6 +306,40 @@ def test_leave_one_out_by_hand():
     assert whole[~m].tolist() == [0.0]
     with pytest.raises(ValueError, match=r"leave_one_out: 3 rows are not whole groups of rollout.n_samples=2"):
         leave_one_out(R[:3], m[:3], 2)
+    # a row whose group holds no other trained row gets no baseline, either way
+    alone = torch.tensor([[1, 1, 1], [0, 0, 0]], dtype=torch.bool)
+    for whole_row in (False, True):
+        assert leave_one_out(R[:2], alone, 2, whole_row=whole_row).tolist() == [[0.0] * 3] * 2
+
+
+@pytest.mark.parametrize("div", ["rkl", "jsd_0.3", "fkl"])
+@pytest.mark.parametrize("credit", ["sequence", "token"])
+def test_leave_one_out_is_exact_for_every_divergence(div, credit):
+    """Every pair of a prompt's two samples (the tabular tables, V=4, L=3: 4096 pairs) through the
+    Objective with estimator.baseline=loo: the expected gradient per row is autograd of the exact
+    objective, sequence or prefix-frozen. With sequence credit the row's whole VALUE sum is what RLOO
+    compares (for rkl the costs; a baseline read off the cost returns reads y_t for jsd and fkl)."""
+    z, zt = tables(2)
+    want = exact_gradient(div, z, zt, credit)
+    name, params = SPECS[div]
+    cfg = small_config(
+        estimator={"name": "sampled", "baseline": "loo"},
+        divergence={"name": name, **params},
+        loss={"name": "reinforce", "credit": credit, "gamma": 1.0 if credit == "sequence" else 0.0, "kl_coef": 0.7},
+        rollout={"n_samples": 2},
+    )
+    obj = Objective(cfg)
+    seqs = torch.tensor(list(itertools.product(range(V), repeat=L)))
+    rows = prefix_rows(seqs)
+    prob = torch.log_softmax(z, -1).detach()[rows, seqs].sum(-1).exp()
+    total = torch.zeros_like(z)
+    mask = torch.ones(2, L, dtype=torch.bool)
+    for a, b in itertools.product(range(len(seqs)), repeat=2):
+        idx = torch.tensor([a, b])
+        out = obj(z[rows[idx]], TeacherScores(logits=zt[rows[idx]]), seqs[idx], mask, on_policy=True, normalizer=1.0)
+        (g,) = torch.autograd.grad(out.loss, z)
+        total = total + prob[a] * prob[b] * g
+    torch.testing.assert_close(total.reshape(-1) / 2, want, rtol=1e-9, atol=1e-12)
 
 
 # -- the loop ------------------------------------------------------------------

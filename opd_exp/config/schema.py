@@ -76,8 +76,8 @@ class Baseline(Enum):
     # whole vocabulary (divergences/baseline.py; needs the teacher's whole distribution)
     exact = "exact"
     topk = "topk"  # the same from the teacher's top-k (estimator.k), its remaining mass spread evenly over the tail
-    # the mean return of the prompt's OTHER samples at the same position (rollout.n_samples >= 2): a function of
-    # other draws only, so unbiased for any teacher, one with another tokenizer included
+    # from the prompt's OTHER samples (rollout.n_samples >= 2): RLOO on each row's whole return with undiscounted
+    # sequence credit, else their mean return at each position; unbiased for any teacher, another tokenizer's too
     loo = "loo"
 
 
@@ -319,6 +319,14 @@ _NO_SAMPLED_COST = (EstimatorName.full, EstimatorName.topk_renorm, EstimatorName
 TOPK_VARIANTS = (EstimatorName.topk_student, EstimatorName.topk_union, EstimatorName.topk_generalized_kl, EstimatorName.topk_verl)
 
 
+def whole_groups(cfg: TrainConfig) -> tuple[str, int] | None:
+    """(what needs it, rollout.n_samples) where each rank must hold every prompt's samples (a leave-one-out
+    baseline), else None."""
+    if cfg.estimator.baseline is Baseline.loo:
+        return ("estimator.baseline=loo", cfg.rollout.n_samples)
+    return None
+
+
 def validate_group_baseline(cfg: TrainConfig) -> None:
     """``estimator.baseline=loo`` reads the other samples of each prompt in the same forward: every
     micro-batch must hold whole groups of ``rollout.n_samples`` rows."""
@@ -333,6 +341,10 @@ def validate_group_baseline(cfg: TrainConfig) -> None:
             mbs,
             f"0 or a multiple of rollout.n_samples={n} with estimator.baseline=loo (a prompt's samples share one micro-batch)",
         )
+    lo = cfg.loss
+    if lo.ppo_updates > 1:  # the updates shuffle rows across prompts: a group would no longer be one prompt's samples
+        key, value = ("loss.ppo_epochs", lo.ppo_epochs) if lo.ppo_epochs > 1 else ("loss.ppo_mini_batches", lo.ppo_mini_batches)
+        _fail(key, value, "1 with estimator.baseline=loo (later PPO updates shuffle rows across prompts)")
 
 
 def validate_topk_variant(cfg: TrainConfig) -> None:

@@ -29,13 +29,14 @@ sampled token of a positive-cost divergence is pushed down and only the sizes di
   != 0 to the gradient, and undoing that needs every tail entry's teacher log-prob, which is
   what a top-k teacher does not send. Its tail guess may be off; that costs variance, not bias.
 
-* ``leave_one_out``: b for sample i of a prompt at position t is the mean return of the prompt's OTHER
-  samples at t (those that have a token there; 0 where none does). It reads no token of sample i, so
-  it is independent of y_t given the prefix and E[b grad log S(y_t)] = 0 for any teacher, one that
-  scores only the sampled tokens (another tokenizer) included. The return it averages is the
-  estimator's own (credit=sequence: the cost to go, which for rkl is the sequence cost's remainder),
-  so it removes what the samples of a prompt share: the ~+30 nats a 24-token row's reverse-KL return
-  carries, which without a baseline pushes down every sampled sequence alike.
+* ``leave_one_out``: from the prompt's OTHER samples. Per position (token credit, gamma < 1): the mean
+  of their returns at t (over those that have a token there; 0 where none does). With undiscounted
+  sequence credit, RLOO: each row's advantage is (c_t - v_t) + V_i - mean_{j != i} V_j, V a row's
+  sum of one-sample values v (for rkl v = c, so it is C_i - mean C_j, the sequence costs), i.e.
+  b_t = mean_{j != i} V_j - sum_{t' < t} v_t'. Either reads other samples and the row's prefix only,
+  so E[b grad log S(y_t)] = 0 for any teacher, one that scores only the sampled tokens (another
+  tokenizer) included. It removes what the samples of a prompt share: the ~+30 nats a 24-token
+  row's reverse-KL return carries, which without a baseline pushes down every sampled sequence alike.
 
 A position whose baseline is not finite (a teacher log-prob of -inf where the student has mass:
 D itself is infinite there) gets b = 0, which is the same unbiased choice made from the
@@ -156,11 +157,12 @@ def leave_one_out(returns: torch.Tensor, mask: torch.Tensor, group_size: int, *,
 
     * ``whole_row=False``: per position, the mean of the others' ``returns`` there (over those with a
       position inside ``mask``; 0 where none has, and outside the row's own mask);
-    * ``whole_row=True`` (undiscounted sequence credit): b_t = R_t - (R_first - mean of the others'
-      R_first), R_first a row's return at its first masked position (its whole cost C), so the
-      advantage is C_i - mean_{j != i} C_j at every position (RLOO). R_first - R_t is the row's cost
-      BEFORE t, a function of its prefix: b_t still never reads y_t. A shared cost cancels exactly,
-      whatever the rows' lengths."""
+    * ``whole_row=True``: b_t = R_t - (R_first - mean of the others' R_first), R_first a row's return
+      at its first masked position (its whole sum C), so R_t - b_t = C_i - mean_{j != i} C_j at every
+      position (RLOO). ``returns`` must then be undiscounted sums to go of values that never read a
+      later token (R_first - R_t = the row's sum BEFORE t, a function of its prefix), so b_t never
+      reads y_t; a shared cost cancels exactly, whatever the rows' lengths. 0 for a row whose group
+      has no other trained row."""
     N = returns.shape[0]
     if group_size < 2 or N % group_size:
         raise ValueError(
@@ -176,5 +178,6 @@ def leave_one_out(returns: torch.Tensor, mask: torch.Tensor, group_size: int, *,
     has = on.any(-1)
     first = r.gather(1, on.to(torch.int8).argmax(-1, keepdim=True)).squeeze(1)  # 0 for a row without a trained token
     others = _group_sum(has.to(r.dtype), group_size) - has.to(r.dtype)
-    mean_others = torch.where(others > 0, (_group_sum(first, group_size) - first) / others.clamp(min=1), first)
-    return torch.where(on, r - (first - mean_others)[:, None], zero)
+    mean_others = (_group_sum(first, group_size) - first) / others.clamp(min=1)
+    # a row whose group has no other trained row gets no baseline (b = 0), as per position
+    return torch.where(on & (others > 0)[:, None], r - (first - mean_others)[:, None], zero)

@@ -135,14 +135,20 @@ def teardown() -> None:
 
 
 # -- data ---------------------------------------------------------------------
-def shard(n_rows: int, ds: DistState) -> slice:
-    """This rank's contiguous rows of a global batch of ``n_rows`` (an even split)."""
+def shard(n_rows: int, ds: DistState, group: tuple[str, int] | None = None) -> slice:
+    """This rank's contiguous rows of a global batch of ``n_rows`` (an even split). ``group``: (what needs
+    it, rows per prompt) where each rank must hold a prompt's samples whole (a leave-one-out baseline)."""
     if n_rows % ds.world_size:
         raise ConfigError(
             f"trainer.batch_size x rollout.n_samples = {n_rows} rows cannot be split evenly over {ds.world_size} ranks; "
             f"allowed: a multiple of the world size"
         )
     per = n_rows // ds.world_size
+    if group is not None and per % group[1]:
+        raise ConfigError(
+            f"trainer.batch_size={n_rows // group[1]} is not allowed with {group[0]} over {ds.world_size} ranks (a prompt's "
+            f"{group[1]} samples would be split between ranks); allowed: a multiple of {ds.world_size}"
+        )
     return slice(ds.rank * per, (ds.rank + 1) * per)
 
 

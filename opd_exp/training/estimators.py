@@ -123,13 +123,15 @@ class Sampled(Estimator):
         obj, cfg, s0 = x.obj, x.cfg, x.s.detach()
         sc = s0 if x.cost_s is None else x.cost_s
         cost = obj.div.token_cost(sc, x.t)
+        value = None
         if cfg.loss.credit.value == "sequence":
-            returns = sequence_returns(cost, obj.value(obj.div, sc, x.t, x.student_z.detach(), x.scores.logits, x.m), x.m, cfg.loss.gamma)
+            value = obj.value(obj.div, sc, x.t, x.student_z.detach(), x.scores.logits, x.m)
+            returns = sequence_returns(cost, value, x.m, cfg.loss.gamma)
         else:
             returns = cost
         per_position = {}
         if cfg.estimator.baseline.value != "none":  # a control variate that never reads y: the same expected gradient
-            b = self.baseline(x, returns).to(returns.dtype)
+            b = self.baseline(x, returns, value).to(returns.dtype)
             returns = torch.where(x.m, returns - b, returns)
             per_position["estimator/baseline"] = b
         advantages = -cfg.loss.kl_coef * returns  # after the baseline: what the loss uses (advantages/mean)
@@ -144,14 +146,18 @@ class Sampled(Estimator):
         return Estimate(per_token, advantages, clipped, None, per_position)
 
     @staticmethod
-    def baseline(x: StepInputs, returns: torch.Tensor) -> torch.Tensor:
+    def baseline(x: StepInputs, returns: torch.Tensor, value: torch.Tensor | None = None) -> torch.Tensor:
         """b per position (``estimator.baseline``, ``divergences.baseline``): the score-weighted mean cost under S, exact
-        from a dense teacher or from the teacher's top-k (the sampling distribution's logits); or the mean of ``returns``
-        over the prompt's other samples (loo)."""
+        from a dense teacher or from the teacher's top-k (the sampling distribution's logits); or, over the prompt's other
+        samples (loo), the mean of ``returns`` at each position, or with undiscounted sequence credit RLOO on each row's
+        whole value sum_t v_t (``value``: the one-sample values the returns add up; for rkl the costs themselves)."""
         cfg = x.cfg
         if cfg.estimator.baseline.value == "loo":
-            whole_row = cfg.loss.credit.value == "sequence" and cfg.loss.gamma == 1.0  # RLOO; per position otherwise
-            return leave_one_out(returns, x.m, cfg.rollout.n_samples, whole_row=whole_row)
+            n = cfg.rollout.n_samples
+            if value is not None and cfg.loss.gamma == 1.0:
+                # b_t = mean_{j != i} V_j - sum_{t' < t} v_t': the advantage is c_t - v_t + V_i - mean_{j != i} V_j
+                return leave_one_out(sequence_returns(value, value, x.m, 1.0), x.m, n, whole_row=True)
+            return leave_one_out(returns, x.m, n)
         if cfg.estimator.baseline.value == "exact":
             return expected_cost(x.obj.div, x.student_z, x.scores.logits)
         tk_lp, tk_ids = x.scores.topk(cfg.estimator.k)

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from opd_exp.config.schema import TrainConfig
+from opd_exp.config.schema import TrainConfig, whole_groups
 from opd_exp.runtime import checkpoint, fingerprint, guards, host
 from opd_exp.runtime import distributed as dist_util
 from opd_exp.runtime import precision as prec
@@ -72,7 +72,7 @@ class Trainer:
             host.keep_freed_memory()
         self.run_dir = Path(dist_util.broadcast_object(str(run_dir), self.dist))  # rank 0's folder for all
         if self.dist.row_keyed:
-            dist_util.shard(tc.batch_size * ro.n_samples, self.dist)  # rows split evenly, or one line now
+            dist_util.shard(tc.batch_size * ro.n_samples, self.dist, whole_groups(cfg))  # rows split evenly, or one line now
         self.run_dir.mkdir(parents=True, exist_ok=True)
         require_extras(cfg)
         torch.manual_seed(cfg.seed)
