@@ -276,9 +276,9 @@ class OwnAnswers(AddTask):
 
 def test_eval_teacher_accuracy_asks_the_teacher_in_its_own_tokens(cross, tmp_path):
     """Before: the teacher was given the student's ids (and decoded with the student's tokenizer)."""
-    from opd_exp.training.evaluate import evaluate_accuracy
-
     import copy
+
+    from opd_exp.training.evaluate import evaluate_accuracy
 
     pair = load_pair(cross)
     # the teacher's own chat template, in characters the character-level student's tokenizer holds
