@@ -68,7 +68,18 @@ class TeacherPrompt:
 
     @classmethod
     def from_config(cls, cfg, task, tokenizer, warn=print, render_with=None) -> TeacherPrompt:
-        return cls(task, tokenizer, cfg.teacher.privileged.value, cfg.rollout.max_prompt_tokens, warn, render_with)
+        out = cls(task, tokenizer, cfg.teacher.privileged.value, cfg.rollout.max_prompt_tokens, warn, render_with)
+        out.preflight(len(cfg.teachers.map) if cfg.teachers.active else 1)
+        return out
+
+    def preflight(self, n_teachers: int) -> None:
+        """Every train and eval problem rendered for each teacher with a template of its own, checked now
+        (before the first step) rather than when its row first comes up."""
+        for k in range(n_teachers):
+            tok = self.render_with(k)
+            if tok is not None:
+                for problem in [*self.task.train_problems(), *self.task.eval_problems()]:
+                    self._check_kept(self.text(problem, tok))
 
     @property
     def active(self) -> bool:
