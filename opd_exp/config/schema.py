@@ -329,7 +329,8 @@ def whole_groups(cfg: TrainConfig) -> tuple[str, int] | None:
 
 def validate_group_baseline(cfg: TrainConfig) -> None:
     """``estimator.baseline=loo`` reads the other samples of each prompt in the same forward: every
-    micro-batch must hold whole groups of ``rollout.n_samples`` rows."""
+    micro-batch must hold whole groups of ``rollout.n_samples`` rows (PPO's mini-batches are drawn as
+    whole groups: ``training/ppo.py``)."""
     n, mbs = cfg.rollout.n_samples, cfg.trainer.micro_batch_size
     if n < 2:
         _fail(
@@ -341,10 +342,6 @@ def validate_group_baseline(cfg: TrainConfig) -> None:
             mbs,
             f"0 or a multiple of rollout.n_samples={n} with estimator.baseline=loo (a prompt's samples share one micro-batch)",
         )
-    lo = cfg.loss
-    if lo.ppo_updates > 1:  # the updates shuffle rows across prompts: a group would no longer be one prompt's samples
-        key, value = ("loss.ppo_epochs", lo.ppo_epochs) if lo.ppo_epochs > 1 else ("loss.ppo_mini_batches", lo.ppo_mini_batches)
-        _fail(key, value, "1 with estimator.baseline=loo (later PPO updates shuffle rows across prompts)")
 
 
 def validate_topk_variant(cfg: TrainConfig) -> None:

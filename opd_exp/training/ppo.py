@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from opd_exp.config.schema import TrainConfig
+from opd_exp.config.schema import TrainConfig, whole_groups
 from opd_exp.metric_names import PPO_METRICS as PPO_METRICS  # the names PPO logs, owned there
 from opd_exp.training.monitors import Tally
 from opd_exp.training.objective import loss_normalizer
@@ -48,9 +48,11 @@ def select_rows(batch: Batch, rows: torch.Tensor) -> Batch:
     return batch.select(rows)
 
 
-def mini_batch_rows(n_rows: int, mini_batches: int, generator: torch.Generator) -> list[torch.Tensor]:
-    """A random partition of ``range(n_rows)`` into ``mini_batches`` near-equal sets."""
-    return list(torch.randperm(n_rows, generator=generator).tensor_split(mini_batches))
+def mini_batch_rows(n_rows: int, mini_batches: int, generator: torch.Generator, group: int = 1) -> list[torch.Tensor]:
+    """A random partition of ``range(n_rows)`` into ``mini_batches`` near-equal sets of whole groups of
+    ``group`` consecutive rows (a prompt's samples, kept together for a leave-one-out baseline; 1: rows)."""
+    groups = torch.randperm(n_rows // group, generator=generator).tensor_split(mini_batches)
+    return [(g[:, None] * group + torch.arange(group)).reshape(-1) for g in groups] if group > 1 else list(groups)
 
 
 @dataclasses.dataclass
@@ -88,7 +90,8 @@ class PpoUpdates:
 
     def _order(self, n_rows: int, step: int, epoch: int) -> list[torch.Tensor]:
         g = torch.Generator().manual_seed((self.cfg.seed * 1_000_003 + step * 1009 + epoch) % (2**63))
-        return mini_batch_rows(n_rows, self.cfg.loss.ppo_mini_batches, g)
+        group = whole_groups(self.cfg)  # the scoring pass's micro-batches hold a prompt's samples whole
+        return mini_batch_rows(n_rows, self.cfg.loss.ppo_mini_batches, g, group[1] if group else 1)
 
     def _micro(self, rows: torch.Tensor) -> list[torch.Tensor]:
         size = self.cfg.trainer.micro_batch_size
