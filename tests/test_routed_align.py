@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from helpers import golden
-from helpers.tiny import CHARS, AddTask, build_model, build_tokenizer, small_config
+from helpers.tiny import CHARS, AddTask, build_llama_teacher, build_model, build_tokenizer, small_config
 from opd_exp.config.teachers import TeachersConfig
 from opd_exp.pairs.teacher_map import load_map_teacher
 from opd_exp.runtime.errors import ConfigError
@@ -69,17 +69,8 @@ def world(tmp_path_factory):
 
 
 def teacher_model(folder, vocab_size: int, seed: int):
-    """A tiny Llama beside its tokenizer (beside a qwen2 config.json, AutoTokenizer would load Qwen2's
-    class with its own digit-splitting pre-tokenizer, not the tokenizer saved there)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=True, eos_token_id=0, pad_token_id=1,
-        bos_token_id=None,
-    )  # fmt: skip
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    """A map teacher's tiny Llama (``build_llama_teacher``)."""
+    build_llama_teacher(folder, vocab_size, seed)
 
 
 def own(world, name: str, *, double: bool = False):

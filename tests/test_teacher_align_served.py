@@ -24,7 +24,7 @@ import torch
 
 from helpers import golden
 from helpers.fake_vllm import FakeVllm
-from helpers.tiny import CHARS, AddTask, build_model, small_config
+from helpers.tiny import CHARS, AddTask, build_llama_teacher, build_model, small_config
 from opd_exp.config.schema import TeacherConfig
 from opd_exp.runtime.errors import ConfigError
 from opd_exp.training.trainer import Trainer
@@ -62,18 +62,8 @@ def teacher_tokenizer(folder, *, bos: bool = False):
 
 
 def teacher_model(folder, vocab_size: int, seed: int):
-    """A tiny Llama beside the teacher's tokenizer (beside a qwen2 config.json, AutoTokenizer would load
-    Qwen2's class, with its own digit-splitting pre-tokenizer and an added ``<|endoftext|>``, not the BPE
-    saved there); head size 32, which a CPU vLLM supports."""
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(
-        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=False, eos_token_id=0, pad_token_id=1,
-        bos_token_id=None,
-    )  # fmt: skip
-    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    """The teacher's tiny Llama (``build_llama_teacher``): head size 32, untied."""
+    build_llama_teacher(folder, vocab_size, seed, hidden=64, tied=False)
 
 
 def assert_own_bpe(t_tok, rows: int):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from opd_exp.config.baseline import whole_groups
 from opd_exp.config.checks import check as _check
 from opd_exp.config.checks import finite as _finite
 
@@ -102,8 +103,9 @@ def fused_head_limit(cfg) -> str | None:
         return f"with {n} teachers (teachers.map): the fused head holds one teacher"
     if te.align == "bytes":
         return "with teacher.align=bytes (the teacher scores its own tokens)"
-    if cfg.estimator.baseline.value == "loo":
-        return "with estimator.baseline=loo (the baseline reads whole rows of a prompt's samples; the fused head cuts positions)"
+    group = whole_groups(cfg)
+    if group is not None:
+        return f"with {group[0]} (it reads a prompt's samples as whole rows; the fused head cuts positions)"
     if cfg.rollout.staleness:
         return "with rollout.staleness > 0 (the importance weights are products over each row's whole response)"
     return None

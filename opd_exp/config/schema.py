@@ -14,6 +14,9 @@ from typing import Any
 
 from omegaconf import MISSING
 
+from opd_exp.config.baseline import Baseline as Baseline
+from opd_exp.config.baseline import validate_baseline
+from opd_exp.config.baseline import whole_groups as whole_groups
 from opd_exp.config.checks import check as _check
 from opd_exp.config.checks import fail as _fail
 from opd_exp.config.checks import finite as _finite
@@ -68,17 +71,6 @@ EstimatorName = _RegistryChoice(
     "EstimatorName",
     [(n, n) for n in ("sampled", "topk", "topk_renorm", "topk_student", "topk_union", "topk_generalized_kl", "topk_verl", "full")],
 )
-
-
-class Baseline(Enum):
-    none = "none"  # the sampled cost as it is
-    # minus the score-weighted mean cost sum_v S_v w_v c_v / sum_v S_v w_v, w_v = |e_v - S|^2, over the
-    # whole vocabulary (divergences/baseline.py; needs the teacher's whole distribution)
-    exact = "exact"
-    topk = "topk"  # the same from the teacher's top-k (estimator.k), its remaining mass spread evenly over the tail
-    # from the prompt's OTHER samples (rollout.n_samples >= 2): RLOO on each row's whole return with undiscounted
-    # sequence credit, else their mean return at each position; unbiased for any teacher, another tokenizer's too
-    loo = "loo"
 
 
 class LossName(Enum):
@@ -263,14 +255,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     validate_positions(cfg)
     validate_reward(cfg)
     validate_teachers(cfg)
-    if cfg.estimator.baseline is not Baseline.none and est is not EstimatorName.sampled:
-        _fail(
-            "estimator.baseline",
-            cfg.estimator.baseline.value,
-            f"none with estimator={est.value} (the baseline is subtracted from estimator=sampled's cost)",
-        )
-    if cfg.estimator.baseline is Baseline.loo:
-        validate_group_baseline(cfg)
+    validate_baseline(cfg)
     if cfg.divergence.name is DivergenceName.jsd_legacy:
         if est is not EstimatorName.sampled:
             _fail("estimator.name", est.value, "sampled with divergence=jsd_legacy (only its sampled cost differs from jsd)")
@@ -317,31 +302,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
 _NO_SAMPLED_COST = (EstimatorName.full, EstimatorName.topk_renorm, EstimatorName.topk_generalized_kl, EstimatorName.topk_verl)
 # the top-k estimators of divergences/topk_variants.py routed through TOPK_ESTIMATORS
 TOPK_VARIANTS = (EstimatorName.topk_student, EstimatorName.topk_union, EstimatorName.topk_generalized_kl, EstimatorName.topk_verl)
-
-
-def whole_groups(cfg: TrainConfig) -> tuple[str, int] | None:
-    """(what needs it, rollout.n_samples) where each rank must hold every prompt's samples (a leave-one-out
-    baseline), else None."""
-    if cfg.estimator.baseline is Baseline.loo:
-        return ("estimator.baseline=loo", cfg.rollout.n_samples)
-    return None
-
-
-def validate_group_baseline(cfg: TrainConfig) -> None:
-    """``estimator.baseline=loo`` reads the other samples of each prompt in the same forward: every
-    micro-batch must hold whole groups of ``rollout.n_samples`` rows (PPO's mini-batches are drawn as
-    whole groups: ``training/ppo.py``)."""
-    n, mbs = cfg.rollout.n_samples, cfg.trainer.micro_batch_size
-    if n < 2:
-        _fail(
-            "estimator.baseline", "loo", f"none | exact | topk with rollout.n_samples={n} (leave-one-out needs >= 2 samples of each prompt)"
-        )
-    if mbs % n:
-        _fail(
-            "trainer.micro_batch_size",
-            mbs,
-            f"0 or a multiple of rollout.n_samples={n} with estimator.baseline=loo (a prompt's samples share one micro-batch)",
-        )
 
 
 def validate_topk_variant(cfg: TrainConfig) -> None:

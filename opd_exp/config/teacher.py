@@ -255,7 +255,7 @@ def validate_align(cfg) -> None:
             cfg.divergence.name.value,
             f"rkl {why} (only reverse KL's sequence log-ratio is a sum of chunk log-ratios; docs/training.md)",
         )
-    if cfg.estimator.baseline.value not in ("none", "loo"):
+    if cfg.estimator.baseline.reads_teacher:
         _fail(
             "estimator.baseline",
             cfg.estimator.baseline.value,

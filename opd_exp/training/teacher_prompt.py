@@ -64,7 +64,13 @@ class TeacherPrompt:
     ):
         self.task, self.tokenizer, self.kind = task, tokenizer, kind
         self.cap, self.warn, self._warned = PROMPT_CAP_FACTOR * max_prompt_tokens, warn, False
-        self.render_with = render_with or (lambda k: None)
+        self._render_with, self._rendering = render_with or (lambda k: None), {}
+
+    def render_with(self, k: int):
+        """Teacher ``k``'s rendering tokenizer, asked once (comparing vocabularies is not per-step work)."""
+        if k not in self._rendering:
+            self._rendering[k] = self._render_with(k)
+        return self._rendering[k]
 
     @classmethod
     def from_config(cls, cfg, task, tokenizer, warn=print, render_with=None) -> TeacherPrompt:
@@ -93,10 +99,11 @@ class TeacherPrompt:
         from opd_exp.training.rollout import encode_prompts
 
         rows = batch.prompt_index.tolist()
-        texts = [self.text(problems[i], tok or self.tokenizer) for i, tok in zip(rows, render)]
-        for text, tok in zip(texts, render):
-            if tok is not None:
-                self._check_kept(text)
+        rendered: dict[tuple[int, int], str] = {}  # a prompt's n samples share one rendering (kept text: preflight)
+        for i, tok in zip(rows, render):
+            if (i, id(tok)) not in rendered:
+                rendered[i, id(tok)] = self.text(problems[i], tok or self.tokenizer)
+        texts = [rendered[i, id(tok)] for i, tok in zip(rows, render)]
         ids, mask = encode_prompts(self.tokenizer, texts, self.cap)
         if not self._warned and any(len(self.tokenizer(t, add_special_tokens=False)["input_ids"]) > self.cap for t in texts):
             self._warned = True

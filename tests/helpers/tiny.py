@@ -125,3 +125,18 @@ def small_config(**groups):
         assert dataclasses.is_dataclass(cls), g
         kwargs[g] = cls(**conv)
     return S.TrainConfig(model_pair=ModelPairConfig(), task=TaskConfig(), **kwargs)
+
+
+def build_llama_teacher(folder: Path, vocab_size: int, seed: int, *, hidden: int = 32, tied: bool = True):
+    """A tiny Llama saved beside a teacher's own tokenizer (beside a qwen2 config.json, AutoTokenizer would
+    load Qwen2's class, with its own digit-splitting pre-tokenizer, not the tokenizer saved there); head
+    size hidden / 2 (64: 32, which a CPU vLLM supports)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=128, tie_word_embeddings=tied, eos_token_id=0, pad_token_id=1,
+        bos_token_id=None,
+    )  # fmt: skip
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
